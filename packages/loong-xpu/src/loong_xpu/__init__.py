@@ -1,0 +1,25 @@
+"""loong-xpu: one Accelerator API for CUDA, CPU and out-of-tree devices.
+
+    from loong_xpu import get_accelerator, redirect_cuda
+    accel = get_accelerator()          # LOONG_DEVICE=auto|cuda|cpu|<plugin>
+    with redirect_cuda(accel):         # no-op on CUDA; megatron-core runs unmodified elsewhere
+        ...
+"""
+
+from loong_xpu.accelerator import Accelerator, MemoryStats
+from loong_xpu.patches import MANIFEST, Patch, PatchSet, apply_patches, redirect_cuda
+from loong_xpu.registry import ENTRY_POINT_GROUP, backend_names, get_accelerator
+
+__version__ = "0.1.0"
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "MANIFEST",
+    "Accelerator",
+    "MemoryStats",
+    "Patch",
+    "PatchSet",
+    "apply_patches",
+    "backend_names",
+    "get_accelerator",
+    "redirect_cuda",
+]

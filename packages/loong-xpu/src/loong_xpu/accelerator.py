@@ -1,0 +1,102 @@
+"""The Accelerator interface: everything Loong needs to know about a device family."""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Bytes in use now and at peak on the current device (host RSS for the CPU backend)."""
+
+    allocated: int
+    peak_allocated: int
+    reserved: int
+
+    def as_gib(self) -> dict[str, float]:
+        return {k: round(v / 2**30, 3) for k, v in self.__dict__.items()}
+
+
+class Accelerator(abc.ABC):
+    """One device family (CUDA, CPU, an out-of-tree accelerator such as Kunlun XPU).
+
+    A backend is a subclass registered under the ``loong.accelerators`` entry-point group.
+    Instances are cheap, stateless views of the device; create one with
+    :func:`loong_xpu.get_accelerator`.
+    """
+
+    #: name used by ``LOONG_DEVICE`` and the entry point.
+    name: str = ""
+    #: the ``torch.device`` type tensors live on (``"cuda"``, ``"cpu"``, ``"xpu"`` ...).
+    device_type: str = ""
+    #: the torch.distributed backend for collectives between devices of this family.
+    dist_backend: str = ""
+    #: ``LOONG_DEVICE=auto`` takes the available backend with the highest priority.
+    priority: int = 0
+    #: True when megatron-core's hard-coded CUDA calls must be redirected to this device
+    #: (see :mod:`loong_xpu.patches`). False only for CUDA itself.
+    needs_cuda_redirect: bool = True
+
+    @classmethod
+    @abc.abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this machine has a usable device of this family."""
+
+    # --- devices -------------------------------------------------------------------------
+    def device_count(self) -> int:
+        return 1
+
+    def current_device_index(self) -> int:
+        return 0
+
+    def set_device(self, index: int) -> None:
+        """Bind this process to device ``index`` (the local rank under torchrun)."""
+
+    def device(self, index: int | None = None) -> torch.device:
+        if index is None:
+            index = self.current_device_index()
+        return torch.device(self.device_type, index)
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on the current device."""
+
+    # --- random numbers ------------------------------------------------------------------
+    @abc.abstractmethod
+    def get_rng_state(self) -> torch.Tensor:
+        """The state of the current device's default generator."""
+
+    @abc.abstractmethod
+    def set_rng_state(self, state: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def manual_seed(self, seed: int) -> None: ...
+
+    # --- capabilities --------------------------------------------------------------------
+    @abc.abstractmethod
+    def memory_stats(self) -> MemoryStats: ...
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak-memory window (no-op where the device cannot)."""
+
+    def peak_flops(self, dtype: torch.dtype = torch.bfloat16) -> float | None:
+        """Dense matmul peak FLOP/s of one device for ``dtype``; None when unknown.
+
+        ``LOONG_PEAK_FLOPS`` overrides the table (e.g. for a new chip).
+        """
+        override = os.environ.get("LOONG_PEAK_FLOPS")
+        return float(override) if override else None
+
+    @property
+    def preferred_dtype(self) -> torch.dtype:
+        """The dtype training should compute in by default on this device."""
+        return torch.float32
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.device_type}, {self.device_count()} device(s), {self.dist_backend})"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"

@@ -1,0 +1,202 @@
+"""The one place where megatron-core (and torch.cuda, on its behalf) is patched for a device.
+
+megatron-core is written for CUDA: it calls ``torch.cuda.current_device()``, passes
+``device="cuda"`` to factory functions, calls ``.cuda()`` and keeps its tensor-parallel RNG
+streams in CUDA generators. On any other backend these calls are redirected to the active
+accelerator, so megatron's own modules, optimizer and schedules run unmodified.
+
+Every patch is listed in :data:`MANIFEST` with the reason it exists. :func:`redirect_cuda`
+applies all of them and :meth:`PatchSet.remove` undoes them, restoring the originals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from loong_xpu.accelerator import Accelerator
+from loong_xpu.log import logger
+
+
+@dataclass(frozen=True)
+class Patch:
+    """``target`` (``module:attribute``) is replaced by ``make(accelerator)`` while active."""
+
+    target: str
+    reason: str
+    make: Callable[[Accelerator], object]
+    optional: bool = False  # the target may not exist in this version (then it is skipped)
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # torch reads a bare index as a CUDA ordinal
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _DeviceRedirectMode(TorchFunctionMode):
+    """Rewrites CUDA ``device`` arguments and ``Tensor.cuda`` to the accelerator's device, and
+    makes ``Tensor.type()`` report CUDA type names there (megatron asserts on them)."""
+
+    def __init__(self, accel: Accelerator):
+        super().__init__()
+        self.target = accel.device()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            # .cuda(device=None, non_blocking=False, memory_format=...)
+            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            return args[0].to(self.target, non_blocking=non_blocking)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device == self.target:
+            # megatron asserts grad.type() == "torch.cuda.FloatTensor" (clip_grads, DDP buffers):
+            # on the redirected device, a tensor reports the CUDA type name of its dtype.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        dev = kwargs.get("device")
+        if dev is not None and _is_cuda(dev):
+            kwargs["device"] = self.target
+        elif func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], self.target, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _rng_state_of(accel: Accelerator):
+    def get_rng_state(device: object = "cuda", *_, **__) -> torch.Tensor:
+        return accel.get_rng_state()
+
+    return get_rng_state
+
+
+def _set_rng_state_of(accel: Accelerator):
+    def set_rng_state(new_state: torch.Tensor, device: object = -1, *_, **__) -> None:
+        accel.set_rng_state(new_state)
+
+    return set_rng_state
+
+
+MANIFEST: tuple[Patch, ...] = (
+    Patch(
+        "torch.cuda:current_device",
+        "megatron allocates buffers and parameters with device=torch.cuda.current_device()",
+        lambda a: lambda: a.current_device_index(),
+    ),
+    Patch(
+        "torch.cuda:synchronize",
+        "megatron synchronizes around timers, checkpoint saves and the distributed optimizer",
+        lambda a: lambda device=None: a.synchronize(),
+    ),
+    Patch(
+        "torch.cuda:get_rng_state",
+        "megatron's CudaRNGStatesTracker.add() seeds and reads CUDA generators directly",
+        _rng_state_of,
+    ),
+    Patch(
+        "torch.cuda:set_rng_state",
+        "as above: the tracker restores the original CUDA generator state after seeding",
+        _set_rng_state_of,
+    ),
+    Patch(
+        "torch.cuda:manual_seed",
+        "model_parallel_cuda_manual_seed() and the RNG tracker seed CUDA generators",
+        lambda a: lambda seed: a.manual_seed(seed),
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+        "forking the TP RNG stream (dropout, TP weight init) and activation recompute read the "
+        "CUDA generator through this helper, which indexes torch.cuda.default_generators",
+        _rng_state_of,
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+        "as above: restoring a forked RNG stream goes through torch.cuda.default_generators",
+        _set_rng_state_of,
+    ),
+    Patch(
+        "torch.cuda:memory_allocated",
+        "megatron's memory reports read CUDA allocator statistics",
+        lambda a: lambda device=None: a.memory_stats().allocated,
+    ),
+    Patch(
+        "torch.cuda:max_memory_allocated",
+        "as above",
+        lambda a: lambda device=None: a.memory_stats().peak_allocated,
+    ),
+)
+"""Attribute patches. The device-argument rewrite (:class:`_DeviceRedirectMode`) is the one
+patch that is not an attribute: it is a TorchFunctionMode, entered by :func:`redirect_cuda`
+for ``device="cuda"`` / integer-ordinal arguments of factory functions, ``Tensor.to("cuda")``,
+``Tensor.cuda()`` and therefore ``Module.cuda()``."""
+
+
+def _resolve(target: str) -> tuple[object, str]:
+    module_name, attr = target.split(":")
+    return importlib.import_module(module_name), attr
+
+
+@dataclass
+class PatchSet:
+    """The patches applied for one accelerator; :meth:`remove` restores the originals."""
+
+    accelerator: Accelerator
+    _undo: list[Callable[[], None]]
+    applied: list[str]
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        self.applied.clear()
+
+
+def _is_applied(owner: object, attr: str) -> bool:
+    return getattr(getattr(owner, attr, None), "__loong_patch__", False)
+
+
+def apply_patches(accel: Accelerator) -> PatchSet:
+    """Apply every patch in :data:`MANIFEST` plus the device-argument rewrite for ``accel``.
+
+    Does nothing for backends that run CUDA natively (``needs_cuda_redirect`` False).
+    """
+    undo: list[Callable[[], None]] = []
+    applied: list[str] = []
+    if not accel.needs_cuda_redirect:
+        return PatchSet(accel, undo, applied)
+    for patch in MANIFEST:
+        try:
+            owner, attr = _resolve(patch.target)
+        except ImportError:
+            if patch.optional:
+                continue
+            raise
+        if _is_applied(owner, attr):
+            raise RuntimeError(f"{patch.target} is already patched: remove the other PatchSet first")
+        original = getattr(owner, attr)
+        replacement = patch.make(accel)
+        replacement = functools.wraps(original)(replacement) if callable(original) else replacement
+        replacement.__loong_patch__ = True
+        setattr(owner, attr, replacement)
+        undo.append(functools.partial(setattr, owner, attr, original))
+        applied.append(patch.target)
+    mode = _DeviceRedirectMode(accel)
+    mode.__enter__()
+    undo.insert(0, lambda: mode.__exit__(None, None, None))  # undone last, after the attributes
+    applied.append("device-argument rewrite (TorchFunctionMode)")
+    logger.debug("applied %d device patches for %s", len(applied), accel.name)
+    return PatchSet(accel, undo, applied)
+
+
+@contextlib.contextmanager
+def redirect_cuda(accel: Accelerator) -> Iterator[PatchSet]:
+    """Context manager form of :func:`apply_patches`."""
+    patches = apply_patches(accel)
+    try:
+        yield patches
+    finally:
+        patches.remove()
