@@ -1,0 +1,30 @@
+"""loong-models: the model zoo, as YAML-composed components built on megatron-core."""
+
+from loong_models.foundation import (
+    FAMILIES,
+    FoundationConfig,
+    RopeScaling,
+    build_foundation,
+    build_transformer_config,
+    get_family,
+)
+from loong_models.model import ModelConfig, build_model, load_model_config, to_model_config, zoo_names
+from loong_models.specs import fusion_fields, resolve_backend, transformer_layer_spec
+
+__version__ = "0.1.0"
+__all__ = [
+    "FAMILIES",
+    "FoundationConfig",
+    "ModelConfig",
+    "RopeScaling",
+    "build_foundation",
+    "build_model",
+    "build_transformer_config",
+    "fusion_fields",
+    "get_family",
+    "load_model_config",
+    "resolve_backend",
+    "to_model_config",
+    "transformer_layer_spec",
+    "zoo_names",
+]

@@ -1,0 +1,30 @@
+"""loong-parallel: the parallel runtime between the model zoo and the train app.
+
+Process groups (TP / PP / DP), megatron-core DDP and optimizer wiring, pipeline schedules.
+"""
+
+from loong_parallel.config import ParallelConfig
+from loong_parallel.distributed import DistEnv, init_distributed, initialize_model_parallel, shutdown
+from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
+from loong_parallel.optimizer import OptimConfig, build_optimizer
+from loong_parallel.runtime import runtime_transformer_fields
+from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
+
+__version__ = "0.1.0"
+__all__ = [
+    "LOSS_KEY",
+    "DistEnv",
+    "ModelProvider",
+    "OptimConfig",
+    "ParallelConfig",
+    "StepResult",
+    "build_model_chunks",
+    "build_optimizer",
+    "eval_step",
+    "init_distributed",
+    "initialize_model_parallel",
+    "runtime_transformer_fields",
+    "shutdown",
+    "train_step",
+    "unwrap",
+]

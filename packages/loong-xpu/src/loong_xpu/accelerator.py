@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,53 @@ class MemoryStats:
 
     def as_gib(self) -> dict[str, float]:
         return {k: round(v / 2**30, 3) for k, v in self.__dict__.items()}
+
+
+class HostStream:
+    """A stream on a device whose work completes in program order on the host (the CPU): every
+    wait is already satisfied. Backends with real queues return their own stream objects."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def record_event(self, event: HostEvent | None = None) -> HostEvent:
+        event = event or HostEvent()
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class HostEvent:
+    """An event on a host-synchronous device: recorded = completed; keeps time for elapsed_time."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self._time: float | None = None
+
+    def record(self, stream: object = None) -> None:
+        self._time = time.perf_counter()
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end._time - self._time) * 1000.0  # milliseconds, like torch.cuda.Event
 
 
 class Accelerator(abc.ABC):
@@ -63,6 +112,23 @@ class Accelerator(abc.ABC):
 
     def synchronize(self) -> None:
         """Wait for all queued work on the current device."""
+
+    # --- streams and events (host-synchronous defaults) --------------------------------------
+    Stream: type = HostStream
+    Event: type = HostEvent
+
+    def current_stream(self) -> object:
+        return HostStream()
+
+    def stream(self, stream: object) -> contextlib.AbstractContextManager:
+        """Context manager making ``stream`` current."""
+        return contextlib.nullcontext()
+
+    def set_stream(self, stream: object) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        """Release cached, unused device memory."""
 
     # --- random numbers ------------------------------------------------------------------
     @abc.abstractmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -120,6 +121,33 @@ MANIFEST: tuple[Patch, ...] = (
         _set_rng_state_of,
     ),
     Patch(
+        "torch.cuda:current_stream",
+        "DDP's grad sync waits on CUDA-graph events through torch.cuda.current_stream()",
+        lambda a: lambda device=None: a.current_stream(),
+    ),
+    Patch(
+        "torch.cuda:default_stream",
+        "as above, for megatron code that orders work against the default stream",
+        lambda a: lambda device=None: a.current_stream(),
+    ),
+    Patch(
+        "torch.cuda:Stream",
+        "overlapped DP communication, activation offload and the pipeline create side streams",
+        lambda a: a.Stream,
+    ),
+    Patch("torch.cuda:stream", "as above: side streams are entered as context managers", lambda a: a.stream),
+    Patch("torch.cuda:set_stream", "as above", lambda a: lambda stream: a.set_stream(stream)),
+    Patch(
+        "torch.cuda:Event",
+        "communication overlap and timers order and time work with CUDA events",
+        lambda a: a.Event,
+    ),
+    Patch(
+        "torch.cuda:empty_cache",
+        "megatron releases cached memory after checkpoint loads and in memory reports",
+        lambda a: lambda: a.empty_cache(),
+    ),
+    Patch(
         "torch.cuda:memory_allocated",
         "megatron's memory reports read CUDA allocator statistics",
         lambda a: lambda device=None: a.memory_stats().allocated,
@@ -155,8 +183,9 @@ class PatchSet:
         self.applied.clear()
 
 
-def _is_applied(owner: object, attr: str) -> bool:
-    return getattr(getattr(owner, attr, None), "__loong_patch__", False)
+def _restore(owner: object, attr: str, marker: str) -> None:
+    setattr(owner, attr, getattr(owner, marker))
+    delattr(owner, marker)
 
 
 def apply_patches(accel: Accelerator) -> PatchSet:
@@ -164,10 +193,20 @@ def apply_patches(accel: Accelerator) -> PatchSet:
 
     Does nothing for backends that run CUDA natively (``needs_cuda_redirect`` False).
     """
-    undo: list[Callable[[], None]] = []
-    applied: list[str] = []
+    patches = PatchSet(accel, [], [])
     if not accel.needs_cuda_redirect:
-        return PatchSet(accel, undo, applied)
+        return patches
+    try:
+        _apply_all(accel, patches)
+    except BaseException:
+        patches.remove()  # never leave torch half-patched
+        raise
+    logger.debug("applied %d device patches for %s", len(patches.applied), accel.name)
+    return patches
+
+
+def _apply_all(accel: Accelerator, patches: PatchSet) -> None:
+    undo, applied = patches._undo, patches.applied
     for patch in MANIFEST:
         try:
             owner, attr = _resolve(patch.target)
@@ -175,21 +214,21 @@ def apply_patches(accel: Accelerator) -> PatchSet:
             if patch.optional:
                 continue
             raise
-        if _is_applied(owner, attr):
+        marker = f"_loong_original_{attr}"  # holds the original; its presence means "patched"
+        if hasattr(owner, marker):
             raise RuntimeError(f"{patch.target} is already patched: remove the other PatchSet first")
         original = getattr(owner, attr)
         replacement = patch.make(accel)
-        replacement = functools.wraps(original)(replacement) if callable(original) else replacement
-        replacement.__loong_patch__ = True
+        if isinstance(replacement, types.FunctionType):
+            replacement = functools.wraps(original)(replacement)
+        setattr(owner, marker, original)
         setattr(owner, attr, replacement)
-        undo.append(functools.partial(setattr, owner, attr, original))
+        undo.append(functools.partial(_restore, owner, attr, marker))
         applied.append(patch.target)
     mode = _DeviceRedirectMode(accel)
     mode.__enter__()
     undo.insert(0, lambda: mode.__exit__(None, None, None))  # undone last, after the attributes
     applied.append("device-argument rewrite (TorchFunctionMode)")
-    logger.debug("applied %d device patches for %s", len(applied), accel.name)
-    return PatchSet(accel, undo, applied)
 
 
 @contextlib.contextmanager

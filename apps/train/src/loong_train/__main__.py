@@ -1,0 +1,3 @@
+from loong_train.main import main
+
+main()

@@ -1,0 +1,74 @@
+"""Turning the data config into per-step micro-batches for this rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+from loong_data import (
+    DistributedBatchSampler,
+    PackedTextDataset,
+    TextTokenizer,
+    collate,
+    default_corpus,
+    default_tokenizer,
+    load_tokenizer,
+    prepare_text_dataset,
+)
+
+from loong_train.schema import DataConfig
+
+
+@dataclass
+class TextData:
+    tokenizer: TextTokenizer
+    train: PackedTextDataset
+    val: PackedTextDataset
+
+
+def load_text_data(cfg: DataConfig, *, is_main: bool, seed: int) -> TextData:
+    """Tokenise once (main rank; cached across runs), then open the same files on every rank."""
+    tokenizer = load_tokenizer(cfg.tokenizer or default_tokenizer())
+    sources = [Path(s) for s in cfg.sources] or [default_corpus()]
+    kwargs = dict(val_fraction=cfg.val_fraction, seed=seed)
+    if is_main:
+        corpus = prepare_text_dataset(sources, tokenizer, Path(cfg.cache_dir), **kwargs)
+    if dist.is_initialized():
+        dist.barrier()
+    if not is_main:
+        corpus = prepare_text_dataset(sources, tokenizer, Path(cfg.cache_dir), **kwargs)  # cache hit
+    return TextData(
+        tokenizer,
+        PackedTextDataset(corpus.train, cfg.seq_length),
+        PackedTextDataset(corpus.val, cfg.seq_length),
+    )
+
+
+def microbatches(dataset: PackedTextDataset, sampler_step: list[list[int]]) -> list[dict]:
+    return [collate([dataset[i] for i in mb]) for mb in sampler_step]
+
+
+def step_batches(
+    dataset: PackedTextDataset,
+    *,
+    micro_batch_size: int,
+    num_microbatches: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    start_step: int = 0,
+) -> Iterator[list[dict]]:
+    """For each step from ``start_step``: this DP rank's micro-batches."""
+    sampler = DistributedBatchSampler(
+        len(dataset),
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        start_step=start_step,
+    )
+    for step_indices in sampler:
+        yield microbatches(dataset, step_indices)

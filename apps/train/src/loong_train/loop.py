@@ -1,0 +1,233 @@
+"""The training loop: set up, then step, evaluate, checkpoint. Everything parallel is delegated
+to loong-parallel, every model detail to loong-models, every file format to loong-ckpt."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from loong_ckpt.training import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
+from loong_models import build_model, build_transformer_config, fusion_fields, resolve_backend
+from loong_parallel import (
+    LOSS_KEY,
+    build_model_chunks,
+    build_optimizer,
+    eval_step,
+    init_distributed,
+    initialize_model_parallel,
+    runtime_transformer_fields,
+    shutdown,
+    train_step,
+)
+from loong_xpu import Accelerator, get_accelerator, redirect_cuda
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from loong_train.data import load_text_data, step_batches
+from loong_train.log import logger
+from loong_train.metrics import MetricsWriter, progress_bar
+from loong_train.schema import Config, ConfigError, validate
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class RunSummary:
+    first_loss: float | None = None
+    last_loss: float | None = None
+    losses: dict[int, float] = field(default_factory=dict)
+    eval_loss: float | None = None
+    checkpoint: Path | None = None
+    metrics_file: Path | None = None
+    tensorboard_dir: Path | None = None
+    tokens_per_s: float | None = None
+
+
+def lm_forward_step(device: torch.device, data_iterator, model):
+    """megatron forward_step: per-token LM loss on the last stage, hidden states elsewhere."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    output = model(
+        tokens,
+        batch["position_ids"].to(device, non_blocking=True),
+        None,  # causal mask is implied by the layer spec
+        labels=batch["labels"].to(device, non_blocking=True),
+    )
+    return output, partial(_lm_loss, batch["loss_mask"].to(device, non_blocking=True))
+
+
+def _lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (per_token_loss.reshape(-1).float() * mask).sum()
+    num_tokens = mask.sum()
+    return loss_sum, num_tokens.to(torch.int), {LOSS_KEY: torch.stack([loss_sum.detach(), num_tokens])}
+
+
+def _iterators(microbatches: list[dict], num_chunks: int):
+    its = [iter(microbatches) for _ in range(num_chunks)]
+    return its if num_chunks > 1 else its[0]
+
+
+def _resolve_dtype(name: str, accel: Accelerator) -> torch.dtype:
+    return accel.preferred_dtype if name == "auto" else _DTYPES[name]
+
+
+def run(cfg: Config) -> RunSummary:
+    accel = get_accelerator(None if cfg.train.device == "auto" else cfg.train.device)
+    with redirect_cuda(accel):
+        env = init_distributed(accel)
+        try:
+            return _train(cfg, accel, env.rank == 0, env.world_size)
+        finally:
+            shutdown()
+
+
+def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> RunSummary:
+    t, f = cfg.train, cfg.model.foundation
+    num_microbatches = validate(cfg, world_size)
+    dtype = _resolve_dtype(t.dtype, accel)
+    device = accel.device()
+    out_dir = Path(t.output_dir)
+    ckpt_root = out_dir / "checkpoints"
+
+    initialize_model_parallel(cfg.parallel, world_size)
+    model_parallel_cuda_manual_seed(t.seed)
+    torch.manual_seed(t.seed)  # identical host RNG on every rank: CPU init is layout independent
+
+    data = load_text_data(cfg.data, is_main=is_main, seed=t.seed)
+    if data.tokenizer.vocab_size > f.vocab_size:
+        raise ConfigError(
+            f"model.foundation.vocab_size={f.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({data.tokenizer.vocab_size}, {data.tokenizer.path})"
+        )
+
+    backend = resolve_backend(cfg.model.layer_backend, accel.device_type)
+    tconfig = build_transformer_config(
+        f,
+        **runtime_transformer_fields(cfg.parallel, dtype=dtype, device_type=accel.device_type),
+        **fusion_fields(backend),
+    )
+    provider = partial(_provide, cfg, tconfig, accel.device_type)
+    chunks = build_model_chunks(
+        lambda pre, post, vp: provider(pre_process=pre, post_process=post, vp_stage=vp), cfg.parallel, tconfig, accel
+    )
+    optimizer, scheduler = build_optimizer(cfg.optim, cfg.parallel, chunks, dtype=dtype, total_steps=t.steps)
+
+    start_step = 0
+    resumed = latest_checkpoint(ckpt_root) if cfg.resume else None
+    if cfg.resume and resumed is None and is_main:
+        logger.warning("resume=true but %s holds no complete checkpoint: starting from scratch", ckpt_root)
+    if resumed is not None:
+        info, rng = load_checkpoint(resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel))
+        if rng is not None:
+            _set_rng_state(accel, rng)
+        start_step = info.step
+        if is_main:
+            logger.info("resumed from %s (step %d)", info.path, start_step)
+    elif t.init_from:
+        info, _ = load_checkpoint(read_checkpoint_info(t.init_from).path, chunks)
+        if is_main:
+            logger.info("initialised model weights from %s", info.path)
+
+    n_params = f.num_parameters()
+    tokens_per_step = t.global_batch_size * cfg.data.seq_length
+    flops_per_token = 6 * n_params + 6 * f.num_layers * f.hidden_size * cfg.data.seq_length
+    peak = accel.peak_flops(dtype)
+    if is_main:
+        logger.info(
+            "model %s (%.1fM params, %s layers) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d | "
+            "global batch %d x seq %d, %d micro-batches/step",
+            f.family, n_params / 1e6, f.num_layers, accel.name, str(dtype).removeprefix("torch."), backend,
+            world_size, cfg.parallel.tp, cfg.parallel.pp, mpu.get_data_parallel_world_size(),
+            t.global_batch_size, cfg.data.seq_length, num_microbatches,
+        )  # fmt: skip
+
+    dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    sched = dict(num_microbatches=num_microbatches, seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size)
+    batches = step_batches(
+        data.train, micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
+        dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, start_step=start_step,
+    )  # fmt: skip
+    forward_step = partial(lm_forward_step, device)
+    metrics = MetricsWriter(out_dir, enabled=is_main, tensorboard=t.tensorboard, resume_step=start_step)
+    summary = RunSummary(metrics_file=metrics.path, tensorboard_dir=metrics.tb_dir if t.tensorboard else None)
+
+    def evaluate(step: int) -> float:
+        eval_batches = step_batches(
+            data.val, micro_batch_size=t.micro_batch_size, num_microbatches=t.eval_iters,
+            dp_rank=dp_rank, dp_size=dp_size, seed=t.seed,
+        )  # fmt: skip
+        mbs = next(eval_batches)
+        loss, _ = eval_step(forward_step, _iterators(mbs, len(chunks)), chunks, device=device,
+                            **{**sched, "num_microbatches": len(mbs)})  # fmt: skip
+        metrics.write({"step": step, "split": "val", "loss": loss})
+        return loss
+
+    def save(step: int) -> Path:
+        return save_checkpoint(
+            ckpt_root, step, chunks, optimizer, scheduler, rng_state=_rng_state(accel),
+            extra={"tokens_per_step": tokens_per_step}, keep_last=t.keep_last,
+        )  # fmt: skip
+
+    bar = progress_bar(t.steps, start_step, enabled=is_main and t.progress)
+    window_t0, window_tokens = time.perf_counter(), 0
+    for step in range(start_step + 1, t.steps + 1):
+        step_t0 = time.perf_counter()
+        result = train_step(forward_step, _iterators(next(batches), len(chunks)), chunks, optimizer, scheduler,
+                            device=device, **sched)  # fmt: skip
+        accel.synchronize()
+        step_time = time.perf_counter() - step_t0
+        window_tokens += tokens_per_step
+        summary.losses[step] = result.loss
+        if summary.first_loss is None:
+            summary.first_loss = result.loss
+        summary.last_loss = result.loss
+        if step % t.log_interval == 0 or step == t.steps:
+            elapsed = time.perf_counter() - window_t0
+            tps = window_tokens / elapsed
+            summary.tokens_per_s = tps
+            record = {
+                "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                "tokens_per_s": tps, "tokens_per_s_per_device": tps / world_size, "step_time_s": step_time,
+                "skipped": result.skipped,
+            }  # fmt: skip
+            if peak:
+                record["mfu"] = flops_per_token * tps / world_size / peak
+            mem = accel.memory_stats()
+            record["peak_mem_gib"] = round(mem.peak_allocated / 2**30, 3)
+            metrics.write(record)
+            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            window_t0, window_tokens = time.perf_counter(), 0
+        bar.update(1)
+        if t.eval_interval and t.eval_iters and step % t.eval_interval == 0 and step != t.steps:
+            evaluate(step)
+        if t.save_interval and step % t.save_interval == 0 and step != t.steps:
+            summary.checkpoint = save(step)
+    bar.close()
+    if t.eval_iters:
+        summary.eval_loss = evaluate(t.steps)
+    summary.checkpoint = save(t.steps)
+    metrics.close()
+    return summary
+
+
+def _provide(cfg: Config, tconfig, device_type: str, *, pre_process: bool, post_process: bool, vp_stage):
+    return build_model(cfg.model, tconfig, device_type=device_type, pre_process=pre_process,
+                       post_process=post_process, vp_stage=vp_stage)  # fmt: skip
+
+
+def _rng_state(accel: Accelerator) -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"cpu": torch.get_rng_state(), "device": accel.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(accel: Accelerator, state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    accel.set_rng_state(state["device"])
+    get_cuda_rng_tracker().set_states(state["tracker"])

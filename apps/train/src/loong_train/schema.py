@@ -1,0 +1,85 @@
+"""The train app's config schema. Hydra composes the YAML groups; this schema validates the result
+before anything starts, so a bad key or value fails naming the key and what is allowed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loong_models import ModelConfig
+from loong_parallel import OptimConfig, ParallelConfig
+
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass
+class DataConfig:
+    # .txt files / folders of .txt / .jsonl ({"text": ...}); empty = the bundled Shakespeare corpus
+    sources: list[str] = field(default_factory=list)
+    tokenizer: str | None = None  # tokenizer.json or an HF folder; None = the bundled BPE
+    cache_dir: str = "runs/data-cache"  # tokenised corpora, reused across runs
+    seq_length: int = 256
+    val_fraction: float = 0.02
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    seed: int = 1234
+    dtype: str = "auto"  # auto = the accelerator's preferred dtype (bf16 on GPU, fp32 on CPU)
+    device: str = "auto"  # LOONG_DEVICE: auto | cuda | cpu | an installed plugin
+    output_dir: str = "runs/default"
+    log_interval: int = 1
+    eval_interval: int = 50  # 0 = no periodic eval (a final eval still runs when eval_iters > 0)
+    eval_iters: int = 4
+    save_interval: int = 0  # 0 = save at the end only
+    keep_last: int = 2  # complete checkpoints kept
+    init_from: str | None = None  # a checkpoint to take the model weights from (not optimizer)
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    resume: bool = False  # continue from the newest complete checkpoint in train.output_dir
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot run; the message names the key."""
+
+
+def validate(cfg: Config, world_size: int) -> int:
+    """Check cross-field constraints; return the number of micro-batches per step."""
+    t, f = cfg.train, cfg.model.foundation
+    try:
+        f.validate()
+        cfg.optim.validate()
+        cfg.parallel.validate(world_size, f.num_layers, f.num_attention_heads, f.query_groups)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if t.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype={t.dtype!r}; allowed: {', '.join(DTYPES)}")
+    for key in ("steps", "micro_batch_size", "global_batch_size", "log_interval"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
+    if cfg.data.seq_length < 2 or cfg.data.seq_length > f.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_length={cfg.data.seq_length} must be in [2, model.foundation.max_position_embeddings="
+            f"{f.max_position_embeddings}]"
+        )
+    dp = cfg.parallel.data_parallel_size(world_size)
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size "
+            f"x data-parallel size = {t.micro_batch_size} x {dp} = {per_step}"
+        )
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
+    return t.global_batch_size // per_step

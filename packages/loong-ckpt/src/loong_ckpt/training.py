@@ -1,0 +1,212 @@
+"""Training checkpoints: megatron distributed checkpoints, written atomically.
+
+Layout under a run's checkpoint root::
+
+    step_00000100/            a complete checkpoint (megatron dist-checkpoint + loong.json)
+    step_00000200.partial/    being written, or left by a crash: never loaded, removed on next save
+    latest                    text file naming the newest complete checkpoint
+
+A checkpoint directory only gets its final name after every rank has finished writing and the
+metadata file is on disk, so a crash mid-save can never leave one that looks complete. Because
+megatron checkpoints are sharded by parameter, not by rank, a checkpoint saved with one TP / PP / DP
+layout loads into another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loong_ckpt.log import logger
+
+META_FILE = "loong.json"
+LATEST_FILE = "latest"
+PARTIAL_SUFFIX = ".partial"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    meta: dict[str, Any]
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
+    """Metadata of a complete checkpoint directory; a clear error for anything else."""
+    path = Path(path)
+    meta_path = path / META_FILE
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise ValueError(f"{path} is an incomplete checkpoint (interrupted save); it cannot be loaded")
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{path} is not a complete Loong checkpoint: {META_FILE} is missing")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: format_version={meta.get('format_version')}, expected {FORMAT_VERSION}")
+    return CheckpointInfo(path, int(meta["step"]), meta)
+
+
+def latest_checkpoint(root: str | Path) -> CheckpointInfo | None:
+    """The newest complete checkpoint under ``root``, or None when there is none."""
+    root = Path(root)
+    latest = root / LATEST_FILE
+    if latest.is_file():
+        candidate = root / latest.read_text().strip()
+        try:
+            return read_checkpoint_info(candidate)
+        except (FileNotFoundError, ValueError) as e:
+            logger.warning("%s points at an unusable checkpoint (%s); scanning %s", latest, e, root)
+    complete = []
+    for d in root.glob("step_*"):
+        if d.is_dir() and not d.name.endswith(PARTIAL_SUFFIX) and (d / META_FILE).is_file():
+            complete.append(read_checkpoint_info(d))
+    return max(complete, key=lambda c: c.step, default=None)
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as mpu
+
+    return dict(
+        tp=mpu.get_tensor_model_parallel_world_size(),
+        pp=mpu.get_pipeline_model_parallel_world_size(),
+        dp=mpu.get_data_parallel_world_size(),
+    )
+
+
+def _rng_object(state: Any):
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    lay = _layout()
+    return ShardedObject(
+        "rng_state",
+        state,
+        (lay["pp"], lay["tp"], lay["dp"]),
+        (
+            mpu.get_pipeline_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_rank(),
+            mpu.get_data_parallel_rank(),
+        ),
+        replica_id=0,
+    )
+
+
+def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    chunks: list[torch.nn.Module],
+    optimizer=None,
+    scheduler=None,
+    *,
+    rng_state: Any = None,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save model chunks (+ optimizer, scheduler, per-rank RNG state) for ``step``; collective."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final, partial = _step_dir(root, step), root / (_step_dir(root, step).name + PARTIAL_SUFFIX)
+    if _is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"step_*{PARTIAL_SUFFIX}"):
+            shutil.rmtree(stale, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+    t0 = time.perf_counter()
+    state = _model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        model_sd = {k: v for k, v in state.items()}
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd if len(chunks) > 1 else model_sd["model"])
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if rng_state is not None:
+        state["rng_state"] = _rng_object(rng_state)
+    dist_checkpointing.save(state, str(partial))
+    _barrier()
+    if _is_main():
+        meta = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(), "time": time.time()}
+        meta.update(extra or {})
+        _write_atomic(partial / META_FILE, json.dumps(meta, indent=2))
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _write_atomic(root / LATEST_FILE, final.name)
+        if keep_last:
+            done = sorted(d for d in root.glob("step_*") if not d.name.endswith(PARTIAL_SUFFIX))
+            for old in done[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        logger.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str | Path,
+    chunks: list[torch.nn.Module],
+    optimizer=None,
+    scheduler=None,
+    *,
+    rng_state_template: Any = None,
+) -> tuple[CheckpointInfo, Any]:
+    """Load into ``chunks`` (and optimizer / scheduler when given). Returns the checkpoint info
+    and this rank's saved RNG state (None when not saved or the layout changed)."""
+    from megatron.core import dist_checkpointing
+
+    info = read_checkpoint_info(path)
+    template = _model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        model_sd = dict(template)
+        template["optimizer"] = optimizer.sharded_state_dict(
+            model_sd if len(chunks) > 1 else model_sd["model"], is_loading=True
+        )
+    same_layout = info.meta.get("layout") == _layout()
+    if rng_state_template is not None and same_layout:
+        template["rng_state"] = _rng_object(rng_state_template)
+    state = dist_checkpointing.load(template, str(info.path))
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state["model"])
+    else:
+        for i, c in enumerate(chunks):
+            c.load_state_dict(state[f"model{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    return info, state.get("rng_state")

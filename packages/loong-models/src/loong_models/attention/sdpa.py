@@ -1,0 +1,88 @@
+"""Core attention on torch's scaled_dot_product_attention.
+
+megatron-core's local ``DotProductAttention`` materialises the [b, heads, s, s] score matrix.
+This module has the same constructor and forward signature, so it drops into a megatron layer
+spec, but lets torch pick a fused kernel (flash / memory-efficient on GPU, a blocked kernel on
+CPU), which never materialises the full matrix for causal attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in replacement for megatron's ``DotProductAttention`` (same arguments).
+
+    Inputs are megatron's [s, b, heads, head_dim]; GQA key/value heads are broadcast by SDPA
+    itself (``enable_gqa``) instead of being copied with ``repeat_interleave``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("context parallelism needs Transformer Engine attention (install loong-models[te])")
+        if config.window_size is not None:
+            raise ValueError("sliding-window attention needs Transformer Engine attention")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        self.attn_mask_type = attn_mask_type
+        self.num_heads = divide(config.num_attention_heads, tp_size)
+        self.num_groups = divide(config.num_query_groups, tp_size)
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("packed (THD) sequences need Transformer Engine attention in this version")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by SDPAttention")
+        mask_type = attn_mask_type or self.attn_mask_type
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        is_causal = mask_type == AttnMaskType.causal and attention_mask is None
+        attn_mask = None
+        if attention_mask is not None:
+            attn_mask = ~attention_mask  # megatron masks True = "do not attend"; SDPA: True = attend
+        dropout_p = self.dropout_p if self.training else 0.0
+        kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale)
+        if self.num_heads != self.num_groups:
+            kwargs["enable_gqa"] = True
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        # [b, h, s, d] -> [s, b, h*d]
+        b, h, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)

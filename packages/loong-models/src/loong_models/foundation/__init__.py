@@ -1,0 +1,15 @@
+"""LLM foundations: config schema, family registry and the megatron-core builder."""
+
+from loong_models.foundation.build import build_foundation, build_transformer_config
+from loong_models.foundation.config import FoundationConfig, RopeScaling
+from loong_models.foundation.families import FAMILIES, Family, get_family
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "FoundationConfig",
+    "RopeScaling",
+    "build_foundation",
+    "build_transformer_config",
+    "get_family",
+]

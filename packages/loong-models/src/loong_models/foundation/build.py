@@ -1,0 +1,87 @@
+"""FoundationConfig -> megatron-core TransformerConfig -> GPTModel.
+
+megatron-core 0.19 flags GPTModel as deprecated in favour of HybridModel, but HybridModel has no
+Llama-3 RoPE scaling and no multimodal RoPE (needed by Qwen2.5-VL), so the foundation is built on
+GPTModel. This module is the only place that names the model class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loong_models.foundation.config import FoundationConfig
+from loong_models.foundation.families import get_family
+from loong_models.specs import transformer_layer_spec
+
+
+def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> TransformerConfig:
+    """The architecture from ``cfg``; ``runtime`` adds what the parallel runtime decides
+    (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ``params_dtype``, ``bf16``,
+    fusions, recompute ...), as megatron ``TransformerConfig`` fields."""
+    cfg.validate()
+    fam = get_family(cfg.family)
+    arch = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.query_groups,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=fam.qkv_bias,
+        qk_layernorm=fam.qk_norm,
+        init_method_std=cfg.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if cfg.recompute is not None:
+        arch.update(recompute_granularity=cfg.recompute)
+        if cfg.recompute == "full":
+            arch.update(recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**{**arch, **cfg.extra, **runtime})
+
+
+def build_foundation(
+    cfg: FoundationConfig,
+    config: TransformerConfig,
+    *,
+    layer_backend: str,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+) -> GPTModel:
+    """One pipeline stage (``pre_process``: has the embedding; ``post_process``: has the head)."""
+    fam = get_family(cfg.family)
+    rs = cfg.rope_scaling
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=transformer_layer_spec(qk_norm=fam.qk_norm, backend=layer_backend),
+        vocab_size=cfg.padded_vocab_size(config.tensor_model_parallel_size),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rotary_base),
+        rope_scaling=rs is not None,
+        rope_scaling_factor=rs.factor if rs is not None else 8.0,
+        vp_stage=vp_stage,
+    )
+    if cfg.freeze:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,100 @@
+"""The foundation (LLM) component's config: the schema its YAML files fill."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from loong_models.foundation.families import get_family
+
+# megatron-core implements exactly the Llama-3 RoPE scaling of HF's "llama3" rope_type with these
+# constants (RotaryEmbedding._apply_scaling); other values would silently be ignored.
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass
+class RopeScaling:
+    type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class FoundationConfig:
+    """A decoder-only LLM. Field names follow megatron-core where one exists."""
+
+    family: str = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # GQA groups (KV heads); None = MHA
+    kv_channels: int | None = None  # head dim; None = hidden_size / num_attention_heads
+    vocab_size: int = 8192
+    max_position_embeddings: int = 2048
+    rotary_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    init_method_std: float = 0.02
+    # Pad the embedding table to a multiple of this (kernel-friendly shapes). Kept independent of
+    # the tensor-parallel size so that checkpoints keep one shape for every TP layout.
+    make_vocab_size_divisible_by: int = 128
+    # Component-level overrides of the global settings (principle 4 of DESIGN.md).
+    tensor_model_parallel_size: int | None = None
+    freeze: bool = False
+    recompute: str | None = None  # None | "selective" | "full"
+    extra: dict = field(default_factory=dict)  # family-specific knobs, passed to TransformerConfig
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
+        multiple = math.lcm(self.make_vocab_size_divisible_by, tensor_parallel_size)
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def validate(self, prefix: str = "model.foundation") -> None:
+        """Raise ValueError naming the offending key for inconsistent sizes."""
+        get_family(self.family)
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"{prefix}.hidden_size={self.hidden_size} is not divisible by "
+                f"{prefix}.num_attention_heads={self.num_attention_heads}; set {prefix}.kv_channels"
+            )
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(
+                f"{prefix}.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"{prefix}.num_query_groups={self.query_groups}"
+            )
+        if self.recompute not in (None, "selective", "full"):
+            raise ValueError(f"{prefix}.recompute={self.recompute!r}; allowed: null, selective, full")
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            if rs.type != "llama3":
+                raise ValueError(f"{prefix}.rope_scaling.type={rs.type!r}; allowed: llama3")
+            for key, expected in _MEGATRON_LLAMA3_ROPE.items():
+                if getattr(rs, key) != expected:
+                    raise ValueError(
+                        f"{prefix}.rope_scaling.{key}={getattr(rs, key)}: megatron-core implements "
+                        f"Llama-3 scaling with {key}={expected} only"
+                    )
+
+    def num_parameters(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of the model this config builds (unpadded vocab)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        fam = get_family(self.family)
+        q, kv = self.num_attention_heads * d, self.query_groups * d
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if fam.qkv_bias else 0) + (2 * d if fam.qk_norm else 0)
+        mlp = 3 * h * f
+        per_layer = attn + mlp + 2 * h
+        total = self.num_layers * per_layer + h  # + final norm
+        if include_embedding:
+            total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return total

@@ -1,0 +1,35 @@
+"""LLM families: what distinguishes Llama from Qwen2 from Qwen3 at the architecture level.
+
+A family is a declaration, not code: adding one means adding an entry to :data:`FAMILIES`.
+Sizes (layers, hidden, heads ...) come from the zoo YAMLs; these are the switches a family fixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    qkv_bias: bool = False  # bias on the Q, K, V projections (Qwen2/2.5)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys (Qwen3)
+    hf_architectures: tuple[str, ...] = ()  # HF `architectures` entries this family reads/writes
+    hf_model_type: str = ""
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", hf_architectures=("LlamaForCausalLM",), hf_model_type="llama"),
+        Family("qwen2", qkv_bias=True, hf_architectures=("Qwen2ForCausalLM",), hf_model_type="qwen2"),
+        Family("qwen3", qk_norm=True, hf_architectures=("Qwen3ForCausalLM",), hf_model_type="qwen3"),
+    )
+}
+
+
+def get_family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"model.foundation.family={name!r} is unknown; allowed: {', '.join(FAMILIES)}") from None

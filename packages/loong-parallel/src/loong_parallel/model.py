@@ -1,0 +1,64 @@
+"""Build this rank's model chunks and wrap them in megatron-core's DDP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from loong_xpu import Accelerator
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loong_parallel.config import ParallelConfig
+
+# provider(pre_process, post_process, vp_stage) -> one pipeline stage of the model
+ModelProvider = Callable[[bool, bool, int | None], torch.nn.Module]
+
+
+def build_model_chunks(
+    provider: ModelProvider,
+    pcfg: ParallelConfig,
+    config: TransformerConfig,
+    accel: Accelerator,
+) -> list[DistributedDataParallel]:
+    """One chunk per virtual pipeline stage (one in all without interleaving), on the device,
+    wrapped in DDP. Also installs the gradient hooks megatron's schedules call into ``config``."""
+    chunks = []
+    for vp in range(pcfg.vpp or 1):
+        vp_stage = vp if pcfg.vpp else None
+        pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        chunks.append(provider(pre, post, vp_stage).to(accel.device()))
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=pcfg.grad_reduce_in_fp32,
+        overlap_grad_reduce=pcfg.overlap_grad_reduce,
+        overlap_param_gather=pcfg.overlap_param_gather,
+        use_distributed_optimizer=pcfg.distributed_optimizer,
+        bucket_size=pcfg.ddp_bucket_size,
+    )
+    wrapped = [
+        # Only the first chunk buckets: megatron's recipe, so that later chunks' reductions
+        # do not wait on buckets of chunks whose backward has not run yet.
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    if pcfg.overlap_grad_reduce:
+        no_sync = [c.no_sync for c in wrapped]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        grad_sync = [c.start_grad_sync for c in wrapped]
+        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+    if pcfg.overlap_param_gather:
+        param_sync = [c.start_param_sync for c in wrapped]
+        config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
+    return wrapped
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP (and any other ``.module`` wrapper)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+

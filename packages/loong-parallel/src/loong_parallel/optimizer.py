@@ -1,0 +1,80 @@
+"""megatron-core optimizer (optionally distributed) and the LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from loong_parallel.config import ParallelConfig
+
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def validate(self) -> None:
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.schedule={self.schedule!r}; allowed: {', '.join(LR_SCHEDULES)}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+
+
+def build_optimizer(
+    ocfg: OptimConfig,
+    pcfg: ParallelConfig,
+    chunks: list[torch.nn.Module],
+    *,
+    dtype: torch.dtype,
+    total_steps: int,
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """AdamW with fp32 master weights for bf16/fp16 training; warmup then ``ocfg.schedule`` decay
+    to ``min_lr`` at ``total_steps``."""
+    ocfg.validate()
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=ocfg.lr,
+            min_lr=ocfg.min_lr,
+            weight_decay=ocfg.weight_decay,
+            adam_beta1=ocfg.beta1,
+            adam_beta2=ocfg.beta2,
+            adam_eps=ocfg.eps,
+            clip_grad=ocfg.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            use_distributed_optimizer=pcfg.distributed_optimizer,
+            overlap_param_gather=pcfg.overlap_param_gather,
+        ),
+        chunks,
+    )
+    warmup = min(ocfg.warmup_steps, max(total_steps - 1, 0))
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else ocfg.lr,
+        max_lr=ocfg.lr,
+        min_lr=ocfg.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style=ocfg.schedule,
+        start_wd=ocfg.weight_decay,
+        end_wd=ocfg.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

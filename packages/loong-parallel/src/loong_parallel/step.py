@@ -1,0 +1,100 @@
+"""One optimizer step (or one evaluation pass) through megatron-core's pipeline schedules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+# The loss function handed to megatron returns (loss_sum, num_tokens, {LOSS_KEY: [sum, count]}).
+LOSS_KEY = "lm loss"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # token-weighted mean over the global batch
+    num_tokens: int  # loss tokens in the global batch
+    grad_norm: float | None
+    lr: float
+    skipped: bool  # the optimizer skipped the update (inf/nan gradients)
+
+
+def _global_loss(per_microbatch: list[dict], device: torch.device) -> tuple[float, int]:
+    """Sum (loss_sum, count) over micro-batches and over all ranks that computed a loss (last
+    pipeline stage, TP rank 0 of each DP replica), so every rank returns the global mean."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    counts_here = mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+    if counts_here:
+        for out in per_microbatch:
+            total += out[LOSS_KEY].to(total)
+    dist.all_reduce(total)
+    loss_sum, count = total.tolist()
+    return loss_sum / max(count, 1.0), int(count)
+
+
+def _schedule_kwargs(num_microbatches: int, seq_length: int, micro_batch_size: int) -> dict:
+    return dict(num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size)
+
+
+def train_step(
+    forward_step: Callable,
+    data_iterator: Iterator | list[Iterator],
+    chunks: list[torch.nn.Module],
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    *,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    device: torch.device,
+) -> StepResult:
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=chunks,
+        forward_only=False,
+        **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
+    )
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=1)
+    loss, count = _global_loss(outputs, device)
+    lr = optimizer.param_groups[0]["lr"]
+    return StepResult(loss, count, float(grad_norm) if grad_norm is not None else None, lr, not ok)
+
+
+@torch.no_grad()
+def eval_step(
+    forward_step: Callable,
+    data_iterator: Iterator | list[Iterator],
+    chunks: list[torch.nn.Module],
+    *,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    device: torch.device,
+) -> tuple[float, int]:
+    """Mean loss over ``num_microbatches`` micro-batches per DP rank, without updating."""
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=chunks,
+            forward_only=True,
+            **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
+        )
+    finally:
+        for chunk in chunks:
+            chunk.train()
+    return _global_loss(outputs, device)
