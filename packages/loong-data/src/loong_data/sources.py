@@ -47,7 +47,8 @@ def count_documents(files: list[Path]) -> int:
     n = 0
     for file in files:
         if file.suffix == ".jsonl":
-            with file.open("rb") as f:
+            # Same decoding and blank-line rule as iter_documents, so the counts agree.
+            with file.open(encoding="utf-8") as f:
                 n += sum(1 for line in f if line.strip())
         else:
             n += 1
