@@ -1,0 +1,18 @@
+"""Paths of the data files shipped inside the wheel (no download at run time)."""
+
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent
+
+SHAKESPEARE_DIR = _ROOT / "corpus" / "shakespeare"
+SHAKESPEARE_TOKENIZER = _ROOT / "tokenizers" / "shakespeare-bpe-8k" / "tokenizer.json"
+
+
+def default_corpus() -> Path:
+    """Folder of the bundled Shakespeare texts (42 ``*_gut.txt`` files, CC BY 2.5, see ATTRIBUTION.md)."""
+    return SHAKESPEARE_DIR
+
+
+def default_tokenizer() -> Path:
+    """The bundled byte-level BPE ``tokenizer.json`` (8192 tokens) trained on :func:`default_corpus`."""
+    return SHAKESPEARE_TOKENIZER
