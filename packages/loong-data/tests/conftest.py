@@ -2,6 +2,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from loong_data import TextTokenizer, default_corpus, default_tokenizer, load_tokenizer
 
 # The three shortest bundled works (~25 KB): real text, fast to tokenise.

@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from loong_data import TokenFile
 from loong_data.cli import main
 

@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from loong_data import PackedTextDataset, TextTokenizer, collate, prepare_text_dataset
 
 

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from loong_data import TextTokenizer, TokenFile, prepare_text_dataset
 
 

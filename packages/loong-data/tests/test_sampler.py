@@ -1,6 +1,7 @@
 from itertools import islice
 
 import pytest
+
 from loong_data import DistributedBatchSampler
 
 

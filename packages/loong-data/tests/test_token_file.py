@@ -3,6 +3,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+
 from loong_data import TextTokenizer, TokenFile, prepare_text_dataset
 
 

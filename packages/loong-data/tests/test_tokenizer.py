@@ -3,6 +3,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from loong_data import EOD_TOKEN, PAD_TOKEN, TextTokenizer, default_corpus, default_tokenizer, load_tokenizer
 
 

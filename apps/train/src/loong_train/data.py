@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+
 from loong_data import (
     DistributedBatchSampler,
     PackedTextDataset,
@@ -17,7 +18,6 @@ from loong_data import (
     load_tokenizer,
     prepare_text_dataset,
 )
-
 from loong_train.schema import DataConfig
 
 

@@ -9,6 +9,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
 from loong_ckpt.training import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
 from loong_models import build_model, build_transformer_config, fusion_fields, resolve_backend
 from loong_parallel import (
@@ -22,14 +25,11 @@ from loong_parallel import (
     shutdown,
     train_step,
 )
-from loong_xpu import Accelerator, get_accelerator, redirect_cuda
-from megatron.core import parallel_state as mpu
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
 from loong_train.data import load_text_data, step_batches
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, progress_bar
 from loong_train.schema import Config, ConfigError, validate
+from loong_xpu import Accelerator, get_accelerator, redirect_cuda
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

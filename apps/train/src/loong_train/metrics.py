@@ -29,7 +29,7 @@ class MetricsWriter:
             self.path.write_text("".join(k + "\n" for k in kept))
         elif self.path.exists():
             self.path.unlink()
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - lives until close()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -23,7 +23,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # 0: only initialise and save (a common starting point for several runs)
     micro_batch_size: int = 4
     global_batch_size: int = 16
     seed: int = 1234
@@ -65,7 +65,9 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(str(e)) from None
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r}; allowed: {', '.join(DTYPES)}")
-    for key in ("steps", "micro_batch_size", "global_batch_size", "log_interval"):
+    if t.steps < 0:
+        raise ConfigError(f"train.steps={t.steps} must be >= 0 (0 saves the initial weights)")
+    for key in ("micro_batch_size", "global_batch_size", "log_interval"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
     if cfg.data.seq_length < 2 or cfg.data.seq_length > f.max_position_embeddings:

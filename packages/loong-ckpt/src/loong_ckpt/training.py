@@ -121,6 +121,15 @@ def _rng_object(state: Any):
     )
 
 
+def _fork_writer_queue() -> None:
+    """megatron's checkpoint writers report through a multiprocessing Manager queue that it
+    creates once per process with the 'spawn' method, which re-imports torch in a fresh
+    interpreter (5-15 s on a small host). A forked manager is ready in milliseconds."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async.get_write_results_queue(mp_mode="fork")
+
+
 def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
@@ -158,6 +167,7 @@ def save_checkpoint(
         state["scheduler"] = scheduler.state_dict()
     if rng_state is not None:
         state["rng_state"] = _rng_object(rng_state)
+    _fork_writer_queue()
     dist_checkpointing.save(state, str(partial))
     _barrier()
     if _is_main():

@@ -8,10 +8,10 @@ import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from loong_xpu import Accelerator
 
 from loong_parallel.config import ParallelConfig
 from loong_parallel.log import logger
+from loong_xpu import Accelerator
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from loong_xpu import Accelerator
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_parallel.config import ParallelConfig
+from loong_xpu import Accelerator
 
 # provider(pre_process, post_process, vp_stage) -> one pipeline stage of the model
 ModelProvider = Callable[[bool, bool, int | None], torch.nn.Module]

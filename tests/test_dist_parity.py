@@ -1,0 +1,41 @@
+"""TP=2, PP=2 and DP=2 (torchrun, 2 processes, gloo) reproduce the single-process losses.
+
+Every run starts from the same initial weights (a `train.steps=0` checkpoint), so the only
+differences left are floating-point reduction orders: fp32 losses must agree to 1e-4."""
+
+import pytest
+
+STEPS = 4
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, runner_factory):
+    run_train = runner_factory(tmp_path_factory.mktemp("reference"))
+    init = run_train(["train.steps=0"], name="init").check()
+    init_ckpt = init.out_dir / "checkpoints" / "step_00000000"
+    common = [f"train.init_from={init_ckpt}", f"train.steps={STEPS}", "train.eval_interval=0"]
+    single = run_train(common, name="single").check().losses()
+    assert len(single) == STEPS
+    return common, single
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=2"],
+        ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ["parallel.pp=2"],
+        ["parallel.distributed_optimizer=true"],  # DP=2 with ZeRO-1
+        ["parallel.overlap_grad_reduce=true"],  # DP=2, bucketed reduction overlapped with backward
+    ],
+    ids=["tp2", "tp2-sp", "pp2", "dp2-distopt", "dp2-overlap"],
+)
+def test_two_process_layout_matches_single_process(reference, run_train, layout):
+    common, single = reference
+    run = run_train([*common, *layout], nproc=2, name="dist").check()
+    losses = run.losses()
+    assert sorted(losses) == sorted(single)
+    for step, loss in single.items():
+        assert abs(losses[step] - loss) <= TOL, f"step {step}: {losses[step]} vs single-process {loss}"
