@@ -55,7 +55,7 @@ def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
         return [sys.executable, "-m", "loong_train", *overrides]
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--master-port=0", "-m", "loong_train", *overrides,
+        "--standalone", "-m", "loong_train", *overrides,
     ]  # fmt: skip
 
 

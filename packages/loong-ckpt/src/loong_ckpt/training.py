@@ -130,10 +130,18 @@ def _fork_writer_queue() -> None:
     filesystem_async.get_write_results_queue(mp_mode="fork")
 
 
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / Float16Module wrappers: checkpoints are keyed by the model's own
+    parameter names, whatever wrapped it for training."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": _unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
 def save_checkpoint(
@@ -161,7 +169,7 @@ def save_checkpoint(
     t0 = time.perf_counter()
     state = _model_sharded_state_dict(chunks)
     if optimizer is not None:
-        model_sd = {k: v for k, v in state.items()}
+        model_sd = dict(state)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd if len(chunks) > 1 else model_sd["model"])
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
@@ -210,11 +218,8 @@ def load_checkpoint(
     if rng_state_template is not None and same_layout:
         template["rng_state"] = _rng_object(rng_state_template)
     state = dist_checkpointing.load(template, str(info.path))
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(state["model"])
-    else:
-        for i, c in enumerate(chunks):
-            c.load_state_dict(state[f"model{i}"])
+    for i, c in enumerate(chunks):
+        _unwrap(c).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:

@@ -1,0 +1,82 @@
+"""A bad config key or value fails before training starts, naming the key and what is allowed;
+missing data names the path."""
+
+import pytest
+from hydra import compose, initialize_config_module
+from loong_train.main import to_config
+from loong_train.schema import ConfigError, validate
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+
+def compose_config(*overrides: str):
+    with initialize_config_module("loong_train.configs", version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def test_default_config_is_valid():
+    cfg = to_config(compose_config())
+    assert validate(cfg, world_size=1) == 2  # 16 samples = 8 per micro-batch x 2 micro-batches
+    assert cfg.model.foundation.num_layers == 4
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigKeyError, match="num_heads"):
+        to_config(compose_config("+model.foundation.num_heads=3"))
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ValidationError) as e:
+        to_config(compose_config("train.steps=many"))
+    assert e.value.full_key == "train.steps"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("parallel.tp=3", r"parallel.tp=3 must divide the attention heads \(4\) and KV groups \(2\)"),
+        ("train.dtype=fp8", r"train.dtype='fp8'; allowed: auto, bf16, fp16, fp32"),
+        ("optim.schedule=step", r"optim.schedule='step'; allowed: cosine, linear, constant"),
+        ("train.global_batch_size=12", r"train.global_batch_size=12 must be a multiple of train.micro_batch_size"),
+        ("model.foundation.family=gpt2", r"model.foundation.family='gpt2' is unknown; allowed: llama, qwen2, qwen3"),
+        ("data.seq_length=4096", r"data.seq_length=4096 must be in \[2, model.foundation.max_position_embeddings"),
+        ("model.layer_backend=fast", None),  # checked when the model is built (see test below)
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    cfg = to_config(compose_config(override))
+    if message is None:
+        return
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world_size=1)
+
+
+def test_world_size_must_fit_layout():
+    cfg = to_config(compose_config("parallel.tp=2", "parallel.pp=2"))
+    with pytest.raises(ConfigError, match=r"world size 2 is not divisible by parallel.tp \* parallel.pp = 2 \* 2"):
+        validate(cfg, world_size=2)
+
+
+def test_unknown_layer_backend_is_named():
+    from loong_models import resolve_backend
+
+    with pytest.raises(ValueError, match="model.layer_backend='fast'; allowed: auto, te, local"):
+        resolve_backend("fast", "cpu")
+
+
+def test_unknown_zoo_model_lists_the_zoo():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match="qwen3-0.6b"):
+        compose_config("model=gpt5")
+
+
+def test_cli_reports_config_error_and_missing_data(run_train):
+    run = run_train(["parallel.tp=3", "train.steps=1"])
+    assert run.returncode != 0
+    assert "config error: parallel.tp=3 must divide" in run.stderr
+    assert not (run.out_dir / "checkpoints").exists(), "nothing may be written for a bad config"
+
+    run = run_train(["data.sources=[/nonexistent/corpus.txt]", "train.steps=1"], name="nodata")
+    assert run.returncode != 0
+    assert "/nonexistent/corpus.txt" in run.stderr
+    assert "Traceback" not in run.stderr
