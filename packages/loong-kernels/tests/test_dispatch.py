@@ -59,3 +59,24 @@ def test_package_imports_and_runs_without_tilelang():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(not tilelang_importable(), reason="tilelang is not importable")
+def test_tilelang_shape_predicates_accept_deepseek_v32_shapes():
+    from loong_kernels.tl import indexer, rms_norm, sparse_mla, swiglu
+
+    bf = torch.bfloat16
+    n, k = 8, 2048
+    q, kv = torch.empty(n, 128, 576, dtype=bf), torch.empty(n, 576, dtype=bf)
+    idx, lse = torch.empty(n, k, dtype=torch.int32), torch.empty(n, 128)
+    q_i, k_i, w = torch.empty(n, 64, 128, dtype=bf), torch.empty(n, 128, dtype=bf), torch.empty(n, 64, dtype=bf)
+    assert sparse_mla.supports(q, kv, idx, 512, 0.1)
+    assert sparse_mla.supports_bwd(q, kv, None, None, idx, lse, 512, 0.1)
+    assert sparse_mla.supports_probs(q, kv, idx, lse, 0.1)
+    assert indexer.supports_scores(q_i, k_i, w, idx)
+    assert indexer.supports_topk(q_i, k_i, w, idx)
+    assert rms_norm.supports(torch.empty(n, 7168, dtype=bf), torch.empty(7168, dtype=bf), None, 1e-6)
+    assert swiglu.supports(torch.empty(n, 2 * 2048, dtype=bf))
+    # and refuse what the kernels cannot do
+    assert not sparse_mla.supports(torch.empty(n, 20, 576, dtype=bf), kv, idx, 512, 0.1)
+    assert not sparse_mla.supports(q, kv, idx, 576, 0.1)  # no RoPE tail

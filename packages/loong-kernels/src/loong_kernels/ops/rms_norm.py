@@ -15,6 +15,8 @@ class RMSNormFunction(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         y, h, rstd = call("rms_norm_fwd", x, weight, residual, eps)
+        # an unused residual output then arrives as None instead of a materialised zero tensor
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(h, weight, rstd)
         ctx.has_residual = residual is not None
         return y, h
@@ -22,6 +24,8 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, dh_out: torch.Tensor | None) -> tuple[Any, ...]:
         h, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(h)
         dh, dweight = call("rms_norm_bwd", dy.contiguous(), dh_out, h, weight, rstd)
         return dh, dweight, (dh if ctx.has_residual else None), None
 

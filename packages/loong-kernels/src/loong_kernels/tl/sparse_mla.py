@@ -45,10 +45,14 @@ def supports_bwd(q, kv, out, dout, indices, lse, d_v: int, scale: float) -> bool
     return _shapes_ok(q, kv, d_v)
 
 
+def _probs_value_dims(d_qk: int) -> int:
+    """How the probabilities kernel splits keys: any ``64k + tail`` works, as no values are read."""
+    return d_qk - (d_qk % 64 or 64)
+
+
 def supports_probs(q, kv, indices, lse, scale: float) -> bool:  # noqa: ANN001
-    # the kernel reuses the forward's value/tail split; 512 + 64 (and any 64k + 16m) qualifies
-    d_qk = q.shape[2]
-    return any(_shapes_ok(q, kv, d_v) for d_v in (d_qk - d_qk % 64,) if 0 < d_v < d_qk)
+    d_v = _probs_value_dims(q.shape[2])
+    return d_v > 0 and _shapes_ok(q, kv, d_v)
 
 
 def _pad_indices(indices: torch.Tensor, block: int) -> torch.Tensor:
@@ -328,7 +332,7 @@ def sparse_attention_head_mean_probs(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, scale: float
 ) -> torch.Tensor:
     n, heads, d_qk = q.shape
-    d_v = d_qk - d_qk % 64
+    d_v = _probs_value_dims(d_qk)
     k = indices.shape[1]
     idx = _pad_indices(indices, _FWD_BLOCK)
     kernel = build_head_mean_probs(heads, d_v, d_qk - d_v, idx.shape[1], float(scale), dtype_name(q.dtype))
