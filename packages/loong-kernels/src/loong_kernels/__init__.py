@@ -1,0 +1,37 @@
+"""loong-kernels: fused training operators, each with a plain-torch reference.
+
+    from loong_kernels import rms_norm, swiglu, linear_cross_entropy, deepseek_sparse_attention
+
+TileLang kernels run on CUDA when ``tilelang`` is installed; everywhere else the torch
+references in :mod:`loong_kernels.reference` run. :mod:`loong_kernels.dispatch` decides.
+"""
+
+from loong_kernels.dispatch import choose, use_implementation
+from loong_kernels.ops.dsa import (
+    DSAOutput,
+    deepseek_sparse_attention,
+    indexer_kl_loss,
+    lightning_indexer_scores,
+    select_topk,
+    sparse_attention_head_mean_probs,
+    sparse_mla_attention,
+)
+from loong_kernels.ops.linear_cross_entropy import linear_cross_entropy
+from loong_kernels.ops.rms_norm import rms_norm
+from loong_kernels.ops.swiglu import swiglu
+
+__version__ = "0.1.0"
+__all__ = [
+    "DSAOutput",
+    "choose",
+    "deepseek_sparse_attention",
+    "indexer_kl_loss",
+    "lightning_indexer_scores",
+    "linear_cross_entropy",
+    "rms_norm",
+    "select_topk",
+    "sparse_attention_head_mean_probs",
+    "sparse_mla_attention",
+    "swiglu",
+    "use_implementation",
+]

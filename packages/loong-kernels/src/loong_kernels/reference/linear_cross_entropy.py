@@ -1,0 +1,81 @@
+"""Linear + cross-entropy without the full ``[tokens, vocab]`` logits.
+
+The tokens are processed in chunks; each chunk's logits live only while that chunk's loss and
+gradients are computed, so peak memory is one chunk of logits instead of all of them. Gradients
+are computed in the forward pass (the chunk's logits are gone by the backward) and scaled by
+the incoming gradient in the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loong_kernels.reference._precision import acc, acc_dtype
+
+# A chunk of float32 logits (plus its softmax) takes about this many bytes; chosen so vocab 128K
+# gives 512-token chunks, large enough for full-speed matmuls.
+_CHUNK_LOGIT_BYTES = 256 * 2**20
+
+
+def default_chunk_size(vocab: int) -> int:
+    return max(1, _CHUNK_LOGIT_BYTES // (4 * vocab))
+
+
+def linear_cross_entropy_unfused(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """The straightforward formula, materialising all logits (for tests and the benchmark)."""
+    logits = hidden @ weight.t()
+    return F.cross_entropy(acc(logits), target, ignore_index=ignore_index)
+
+
+def linear_cross_entropy_chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    chunk_size: int | None,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Mean loss over non-ignored tokens and, if asked, its gradients w.r.t. hidden and weight.
+
+    ``hidden`` is ``[tokens, dim]``, ``weight`` ``[vocab, dim]``, ``target`` ``[tokens]``.
+    With every token ignored the loss is 0 (not NaN) and the gradients are zero, so an all-padding
+    micro-batch does not poison training.
+    """
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    chunk = chunk_size or default_chunk_size(vocab)
+    valid = target != ignore_index
+    n_valid = int(valid.sum())
+    denom = max(n_valid, 1)
+
+    loss_sum = torch.zeros((), dtype=acc_dtype(hidden), device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
+    # Accumulated in the weight's dtype: one matmul per chunk accumulates in float32 inside, and
+    # a float32 buffer would cost as much as the whole weight again at vocab 128K.
+    grad_weight = torch.zeros_like(weight) if need_grad_weight else None
+
+    for start in range(0, n_tokens, chunk):
+        h = hidden[start : start + chunk]
+        t = target[start : start + chunk]
+        ok = valid[start : start + chunk]
+        logits = acc(h @ weight.t())
+        lse = torch.logsumexp(logits, dim=-1)
+        safe_t = torch.where(ok, t, 0)
+        picked = logits.gather(1, safe_t[:, None]).squeeze(1)
+        loss_sum += torch.where(ok, lse - picked, 0.0).sum()
+        if not (need_grad_hidden or need_grad_weight):
+            continue
+        # d(mean loss)/d logits = (softmax - onehot) / n_valid, zero on ignored rows;
+        # computed in place in the logits buffer to keep one [chunk, vocab] float32 alive.
+        dlogits = logits.sub_(lse[:, None]).exp_()
+        dlogits.scatter_add_(1, safe_t[:, None], torch.full_like(picked[:, None], -1.0))
+        dlogits.mul_((ok.to(logits.dtype) / denom)[:, None])
+        dlogits = dlogits.to(hidden.dtype)
+        if grad_hidden is not None:
+            torch.matmul(dlogits, weight, out=grad_hidden[start : start + chunk])
+        if grad_weight is not None:
+            grad_weight.addmm_(dlogits.t(), h)
+    return loss_sum / denom, grad_hidden, grad_weight
