@@ -6,7 +6,7 @@ import signal
 import subprocess
 import time
 
-from conftest import TINY, env_for_train, train_command
+from train_helpers import TINY, env_for_train, train_command
 
 STEPS = 24
 COMMON = [f"train.steps={STEPS}", "train.save_interval=4", "train.eval_interval=0", "train.keep_last=10"]

@@ -31,6 +31,10 @@ META_FILE = "loong.json"
 LATEST_FILE = "latest"
 PARTIAL_SUFFIX = ".partial"
 FORMAT_VERSION = 1
+# The distributed optimizer's state is saved per parameter, like the model ("fully_reshardable"),
+# so a run can resume under another TP / PP / DP layout; megatron's default format for it
+# ("fully_sharded_model_space") is deprecated and rejected by its own checkpoint validation.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,9 @@ def save_checkpoint(
     state = _model_sharded_state_dict(chunks)
     if optimizer is not None:
         model_sd = dict(state)
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd if len(chunks) > 1 else model_sd["model"])
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd if len(chunks) > 1 else model_sd["model"], metadata=OPTIMIZER_METADATA
+        )
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if rng_state is not None:
@@ -212,7 +218,7 @@ def load_checkpoint(
     if optimizer is not None:
         model_sd = dict(template)
         template["optimizer"] = optimizer.sharded_state_dict(
-            model_sd if len(chunks) > 1 else model_sd["model"], is_loading=True
+            model_sd if len(chunks) > 1 else model_sd["model"], is_loading=True, metadata=OPTIMIZER_METADATA
         )
     same_layout = info.meta.get("layout") == _layout()
     if rng_state_template is not None and same_layout:

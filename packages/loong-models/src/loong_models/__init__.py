@@ -9,7 +9,7 @@ from loong_models.foundation import (
     get_family,
 )
 from loong_models.model import ModelConfig, build_model, load_model_config, to_model_config, zoo_names
-from loong_models.specs import fusion_fields, resolve_backend, transformer_layer_spec
+from loong_models.specs import decoder_block_spec, fusion_fields, resolve_backend
 
 __version__ = "0.1.0"
 __all__ = [
@@ -20,11 +20,11 @@ __all__ = [
     "build_foundation",
     "build_model",
     "build_transformer_config",
+    "decoder_block_spec",
     "fusion_fields",
     "get_family",
     "load_model_config",
     "resolve_backend",
     "to_model_config",
-    "transformer_layer_spec",
     "zoo_names",
 ]

@@ -2,7 +2,7 @@
 
 CUDA with Transformer Engine installed: megatron-core's TE layer spec (fused norms + linears,
 TE/cuDNN attention). Everywhere else: megatron-core's local modules with :class:`SDPAttention`
-as core attention (no materialised attention matrix).
+as core attention (no materialised attention matrix) and loong-kernels' RMSNorm.
 """
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_models.attention import SDPAttention
 from loong_models.log import logger
+from loong_models.norm import RMSNorm
 
 BACKENDS = ("auto", "te", "local")
 
@@ -39,19 +42,40 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return backend
 
 
-def transformer_layer_spec(*, qk_norm: bool, backend: str) -> ModuleSpec:
-    """Layer spec for a dense pre-norm decoder layer (RMSNorm, SwiGLU), for ``backend``."""
-    from megatron.core.models.gpt import gpt_layer_specs
+def decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: int | None = None):
+    """Layer specs for the decoder layers of this pipeline stage, plus the final norm.
 
+    ``te``: megatron-core's TE spec as is. ``local``: megatron-core's local modules with
+    :class:`SDPAttention` as core attention and Loong's :class:`RMSNorm` for every norm.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=backend == "te", normalization="RMSNorm", vp_stage=vp_stage
+    )
     if backend == "te":
         logger.debug("layer spec: transformer-engine")
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    logger.debug("layer spec: local megatron modules + SDPA")
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
-    attn = spec.submodules.self_attention
-    attn_sub = dataclasses.replace(attn.submodules, core_attention=SDPAttention)
-    attn = dataclasses.replace(attn, submodules=attn_sub)
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
+        return block
+    logger.debug("layer spec: local megatron modules + SDPA + loong-kernels RMSNorm")
+    return dataclasses.replace(block, layer_specs=[_local_layer(s) for s in block.layer_specs], layer_norm=RMSNorm)
+
+
+def _local_layer(spec: ModuleSpec) -> ModuleSpec:
+    sub = spec.submodules
+    attn = sub.self_attention
+    attn_sub = attn.submodules
+    attn_sub = dataclasses.replace(
+        attn_sub,
+        core_attention=SDPAttention,
+        **{k: RMSNorm for k in ("q_layernorm", "k_layernorm") if getattr(attn_sub, k) is not IdentityOp},
+    )
+    sub = dataclasses.replace(
+        sub,
+        self_attention=dataclasses.replace(attn, submodules=attn_sub),
+        input_layernorm=RMSNorm,
+        pre_mlp_layernorm=RMSNorm,
+    )
+    return dataclasses.replace(spec, submodules=sub)
 
 
 def fusion_fields(backend: str) -> dict[str, bool]:

@@ -31,7 +31,6 @@ class ParallelConfig:
         for key in ("tp", "pp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)} must be >= 1")
-        self.data_parallel_size(world_size)
         if num_query_groups % self.tp or num_heads % self.tp:
             raise ValueError(
                 f"parallel.tp={self.tp} must divide the attention heads ({num_heads}) and KV groups "
@@ -49,3 +48,4 @@ class ParallelConfig:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
+        self.data_parallel_size(world_size)

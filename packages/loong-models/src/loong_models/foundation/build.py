@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_models.foundation.config import FoundationConfig
 from loong_models.foundation.families import get_family
-from loong_models.specs import transformer_layer_spec
+from loong_models.specs import decoder_block_spec
 
 
 def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> TransformerConfig:
@@ -60,11 +60,10 @@ def build_foundation(
     vp_stage: int | None = None,
 ) -> GPTModel:
     """One pipeline stage (``pre_process``: has the embedding; ``post_process``: has the head)."""
-    fam = get_family(cfg.family)
     rs = cfg.rope_scaling
     model = GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec(qk_norm=fam.qk_norm, backend=layer_backend),
+        transformer_layer_spec=decoder_block_spec(config, backend=layer_backend, vp_stage=vp_stage),
         vocab_size=cfg.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

@@ -1,0 +1,79 @@
+"""Run the real `train` app in fresh processes (one process, or several under torchrun with
+gloo) and read back what it wrote. Shared by the cross-package tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# A ~0.1M-parameter model and short sequences: a step takes milliseconds on a 2-core CPU.
+TINY = [
+    "model.foundation.num_layers=2",
+    "model.foundation.hidden_size=64",
+    "model.foundation.ffn_hidden_size=128",
+    "model.foundation.num_attention_heads=4",
+    "model.foundation.num_query_groups=2",
+    "model.foundation.kv_channels=16",
+    "data.seq_length=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.eval_iters=1",
+    "train.tensorboard=false",
+    "train.progress=false",
+    "optim.warmup_steps=2",
+]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    out_dir: Path
+
+    def records(self, split: str | None = None) -> list[dict]:
+        path = self.out_dir / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        return [r for r in rows if split is None or r.get("split", "train") == split]
+
+    def losses(self) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in self.records("train")}
+
+    def check(self) -> Run:
+        assert self.returncode == 0, f"train failed ({self.returncode}):\n{self.stderr[-4000:]}"
+        return self
+
+
+def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "loong_train", *overrides]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--standalone", "-m", "loong_train", *overrides,
+    ]  # fmt: skip
+
+
+def env_for_train() -> dict[str, str]:
+    env = dict(os.environ, LOONG_DEVICE="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def make_runner(base: Path, data_cache: Path):
+    """runner(overrides, nproc=1, name="run") -> Run, writing into base/name."""
+
+    def _run(overrides: list[str], nproc: int = 1, name: str = "run", timeout: float = 600) -> Run:
+        out = base / name
+        args = [*TINY, f"data.cache_dir={data_cache}", f"train.output_dir={out}", *overrides]
+        proc = subprocess.run(
+            train_command(args, nproc), cwd=base, env=env_for_train(),
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        return Run(proc.returncode, proc.stdout, proc.stderr, out)
+
+    return _run
