@@ -101,7 +101,7 @@ MANIFEST: tuple[Patch, ...] = (
     ),
     Patch(
         "torch.cuda:set_rng_state",
-        "as above: the tracker restores the original CUDA generator state after seeding",
+        "the RNG tracker restores the original CUDA generator state after seeding a stream",
         _set_rng_state_of,
     ),
     Patch(
@@ -117,7 +117,7 @@ MANIFEST: tuple[Patch, ...] = (
     ),
     Patch(
         "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
-        "as above: restoring a forked RNG stream goes through torch.cuda.default_generators",
+        "restoring a forked RNG stream goes through torch.cuda.default_generators as well",
         _set_rng_state_of,
     ),
     Patch(
@@ -127,7 +127,7 @@ MANIFEST: tuple[Patch, ...] = (
     ),
     Patch(
         "torch.cuda:default_stream",
-        "as above, for megatron code that orders work against the default stream",
+        "megatron orders communication against the default stream with torch.cuda.default_stream()",
         lambda a: lambda device=None: a.current_stream(),
     ),
     Patch(
@@ -135,8 +135,16 @@ MANIFEST: tuple[Patch, ...] = (
         "overlapped DP communication, activation offload and the pipeline create side streams",
         lambda a: a.Stream,
     ),
-    Patch("torch.cuda:stream", "as above: side streams are entered as context managers", lambda a: a.stream),
-    Patch("torch.cuda:set_stream", "as above", lambda a: lambda stream: a.set_stream(stream)),
+    Patch(
+        "torch.cuda:stream",
+        "side streams are entered as context managers (torch.cuda.stream(s)) around overlapped work",
+        lambda a: a.stream,
+    ),
+    Patch(
+        "torch.cuda:set_stream",
+        "megatron restores the current stream after overlapped work with torch.cuda.set_stream",
+        lambda a: lambda stream: a.set_stream(stream),
+    ),
     Patch(
         "torch.cuda:Event",
         "communication overlap and timers order and time work with CUDA events",
@@ -154,7 +162,7 @@ MANIFEST: tuple[Patch, ...] = (
     ),
     Patch(
         "torch.cuda:max_memory_allocated",
-        "as above",
+        "megatron's memory reports read the CUDA allocator's peak",
         lambda a: lambda device=None: a.memory_stats().peak_allocated,
     ),
 )

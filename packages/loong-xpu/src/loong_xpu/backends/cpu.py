@@ -45,4 +45,5 @@ class CpuAccelerator(Accelerator):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
         rss = _rss_bytes()
-        return MemoryStats(allocated=rss, peak_allocated=peak, reserved=rss)
+        # ru_maxrss and statm are read at different instants: the peak is at least what is in use now
+        return MemoryStats(allocated=rss, peak_allocated=max(peak, rss), reserved=rss)

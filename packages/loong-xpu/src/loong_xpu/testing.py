@@ -1,0 +1,39 @@
+"""pytest fixtures for code that runs megatron-core in-process on the CPU.
+
+Use from a conftest.py: ``pytest_plugins = ["loong_xpu.testing"]``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from loong_xpu.patches import redirect_cuda
+from loong_xpu.registry import get_accelerator
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu() -> Iterator[None]:
+    """A one-process gloo world with megatron's parallel state (TP = PP = 1) on the CPU,
+    with megatron's CUDA calls redirected by loong-xpu, for the duration of a test module."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    with redirect_cuda(get_accelerator("cpu")):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        mpu.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(0)
+        try:
+            yield
+        finally:
+            mpu.destroy_model_parallel()
+            dist.destroy_process_group()
