@@ -209,7 +209,8 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     bar.close()
     if t.eval_iters:
         summary.eval_loss = evaluate(t.steps)
-    summary.checkpoint = save(t.steps)
+    if t.save_final:
+        summary.checkpoint = save(t.steps)
     metrics.close()
     return summary
 

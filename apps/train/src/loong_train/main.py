@@ -75,7 +75,8 @@ def _report(s) -> str:
         lines.append(f"eval loss {s.eval_loss:.4f}")
     if s.tokens_per_s:
         lines.append(f"throughput {s.tokens_per_s:,.0f} tokens/s")
-    lines.append(f"checkpoint   {s.checkpoint}")
+    if s.checkpoint:
+        lines.append(f"checkpoint   {s.checkpoint}")
     lines.append(f"metrics      {s.metrics_file}")
     if s.tensorboard_dir:
         lines.append(f"tensorboard  {s.tensorboard_dir}  (tensorboard --logdir {s.tensorboard_dir})")

@@ -34,6 +34,7 @@ class TrainConfig:
     eval_interval: int = 50  # 0 = no periodic eval (a final eval still runs when eval_iters > 0)
     eval_iters: int = 4
     save_interval: int = 0  # 0 = save at the end only
+    save_final: bool = True  # save a checkpoint when the run ends (benchmarks turn it off)
     keep_last: int = 2  # complete checkpoints kept
     init_from: str | None = None  # a checkpoint to take the model weights from (not optimizer)
     tensorboard: bool = True

@@ -1,0 +1,178 @@
+"""Loong vs HF transformers: training throughput of one LLM shape on one GPU, in one run.
+
+Both sides train the same shape (default: llama3.2-1b, seq 4096, micro-batch 2) on the same
+batches (the bundled corpus, same sampler and seed), in bf16 with fp32 master weights, AdamW
+(lr 3e-4, betas 0.9/0.95, wd 0.1, clip 1.0). Loong runs the real train app (TE layer spec and
+fusions when transformer-engine is installed); HF runs LlamaForCausalLM with SDPA attention under
+torch.autocast. Each side runs in its own process; the table reports the median over the steps
+after warm-up.
+
+    python bench/llm_throughput.py                       # both, default shape
+    python bench/llm_throughput.py --steps 30 --warmup 10 --hf-modes amp bf16
+    python bench/llm_throughput.py --loong-extra model.layer_backend=local   # without TE
+
+MFU = (6 N + 6 L h s) * tokens/s / peak (989 TFLOP/s bf16 on H100/H200), N = parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PEAK = 989e12
+
+
+def foundation(model: str):
+    from loong_models import load_model_config
+
+    return load_model_config(model).foundation
+
+
+def flops_per_token(f, seq: int) -> float:
+    return 6 * f.num_parameters() + 6 * f.num_layers * f.hidden_size * seq
+
+
+def run_loong(args, out: Path) -> tuple[list[float], float]:
+    cmd = [
+        sys.executable, "-m", "loong_train", f"model={args.model}", f"data.seq_length={args.seq}",
+        f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={args.mbs}", f"train.steps={args.steps}",
+        "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false", "train.progress=false",
+        f"train.output_dir={out}", f"data.cache_dir={out}/data", "optim.lr=3e-4", "optim.min_lr=3e-5",
+        f"optim.warmup_steps={args.warmup}", "train.dtype=bf16", *args.loong_extra,
+    ]  # fmt: skip
+    print("loong:", " ".join(cmd[2:]), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stderr[-6000:], file=sys.stderr)
+        raise SystemExit(f"loong run failed ({proc.returncode})")
+    info = [ln for ln in proc.stderr.splitlines() if "loong_train: model" in ln]
+    print("  ", *info, flush=True)
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("split", "train") == "train"]
+    return [r["step_time_s"] for r in train if r["step"] > args.warmup], max(r["peak_mem_gib"] for r in train)
+
+
+def hf_worker(args) -> None:
+    """Runs in its own process: train HF LlamaForCausalLM, print one JSON line of step times."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loong_data import (
+        DistributedBatchSampler,
+        PackedTextDataset,
+        collate,
+        default_corpus,
+        default_tokenizer,
+        load_tokenizer,
+        prepare_text_dataset,
+    )
+
+    f = foundation(args.model)
+    rs = f.rope_scaling
+    config = LlamaConfig(
+        vocab_size=f.vocab_size, hidden_size=f.hidden_size, intermediate_size=f.ffn_hidden_size,
+        num_hidden_layers=f.num_layers, num_attention_heads=f.num_attention_heads,
+        num_key_value_heads=f.query_groups, head_dim=f.head_dim, max_position_embeddings=f.max_position_embeddings,
+        rope_theta=f.rotary_base, rms_norm_eps=f.norm_epsilon, tie_word_embeddings=f.tie_word_embeddings,
+        rope_scaling=None if rs is None else {
+            "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor, "original_max_position_embeddings": rs.original_max_position_embeddings,
+        },
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    dtype = torch.float32 if args.hf_mode == "amp" else torch.bfloat16
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only to smoke-test this script
+    model = LlamaForCausalLM(config).to(device, dtype=dtype)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda")
+    tok = load_tokenizer(default_tokenizer())
+    corpus = prepare_text_dataset(default_corpus(), tok, Path(args.workdir) / "data", progress=False)
+    data = PackedTextDataset(corpus.train, args.seq)
+    sampler = iter(DistributedBatchSampler(len(data), micro_batch_size=args.mbs, num_microbatches=1,
+                                           dp_rank=0, dp_size=1, seed=1234))  # fmt: skip
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times = []
+    for _ in range(args.steps):
+        batch = collate([data[i] for i in next(sampler)[0]])
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        sync()
+        t0 = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=args.hf_mode == "amp"):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        sync()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    print(json.dumps({"step_times": times[args.warmup :], "peak_gib": peak}))
+
+
+def run_hf(args, mode: str, workdir: str) -> tuple[list[float], float]:
+    cmd = [sys.executable, __file__, "--worker", "hf", "--hf-mode", mode, "--workdir", workdir,
+           f"--model={args.model}", f"--seq={args.seq}", f"--mbs={args.mbs}", f"--steps={args.steps}",
+           f"--warmup={args.warmup}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stderr[-6000:], file=sys.stderr)
+        raise SystemExit(f"hf run ({mode}) failed ({proc.returncode})")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result["step_times"], result["peak_gib"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3.2-1b")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--hf-modes", nargs="*", default=["amp"], choices=["amp", "bf16"],
+                   help="amp: fp32 weights + bf16 autocast (Loong's numerics); bf16: bf16 weights and optimizer")
+    p.add_argument("--skip-loong", action="store_true")
+    p.add_argument("--loong-extra", nargs="*", default=[], help="extra overrides for the Loong run")
+    p.add_argument("--worker", choices=["hf"], help=argparse.SUPPRESS)
+    p.add_argument("--hf-mode", default="amp", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker == "hf":
+        return hf_worker(args)
+
+    f = foundation(args.model)
+    tokens_per_step = args.mbs * args.seq
+    fpt = flops_per_token(f, args.seq)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.skip_loong:
+            times, peak = run_loong(args, Path(tmp) / "loong")
+            rows.append(("loong " + " ".join(args.loong_extra), statistics.median(times), peak))
+        for mode in args.hf_modes:
+            times, peak = run_hf(args, mode, tmp)
+            rows.append((f"hf transformers ({mode}, sdpa)", statistics.median(times), peak))
+    import torch
+
+    print(f"\n{args.model}: {f.num_parameters() / 1e9:.3f}B params, seq {args.seq}, micro-batch {args.mbs}, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, median of {args.steps - args.warmup} steps after {args.warmup} warm-up")  # fmt: skip
+    print(f"{'stack':<44} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    for name, step, peak in rows:
+        tps = tokens_per_step / step
+        peak_s = f"{peak:9.1f}" if peak is not None else f"{'-':>9}"
+        print(f"{name:<44} {step:8.3f} {tps:10,.0f} {fpt * tps / PEAK:6.3f} {peak_s}")
+    if len(rows) > 1 and not args.skip_loong:
+        base = rows[1][1]
+        print(f"\nloong / {rows[1][0]}: {base / rows[0][1]:.3f}x tokens/s")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
