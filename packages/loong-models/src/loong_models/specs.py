@@ -87,7 +87,9 @@ def fusion_fields(backend: str) -> dict[str, bool]:
         bias_activation_fusion=on,
         bias_dropout_fusion=on,
         masked_softmax_fusion=False,  # unused: attention is TE's or SDPA
-        gradient_accumulation_fusion=on,
+        # megatron fuses wgrad accumulation in its own (non-TE) output layer only through apex,
+        # which Loong does not require; TE layers still accumulate into main_grad directly.
+        gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=on,
         **({"cross_entropy_fusion_impl": "te"} if on else {}),
     )
