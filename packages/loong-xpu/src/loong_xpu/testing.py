@@ -1,6 +1,6 @@
 """pytest fixtures for code that runs megatron-core in-process on the CPU.
 
-Use from a conftest.py: ``pytest_plugins = ["loong_xpu.testing"]``.
+Use from a conftest.py: ``from loong_xpu.testing import megatron_cpu``.
 """
 
 from __future__ import annotations
