@@ -16,7 +16,13 @@ import torch
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
 from megatron.core.transformer.spec_utils import build_module
 
-from loong_models import ModelConfig, build_model, build_transformer_config, decoder_block_spec, load_model_config
+from loong_models import (
+    ModelConfig,
+    build_model,
+    build_transformer_config,
+    decoder_block_spec,
+    load_model_config,
+)
 from loong_models.attention import DSAttention
 from loong_models.foundation import FoundationConfig
 
