@@ -238,3 +238,18 @@ def test_built_model_has_the_configured_parameters(megatron_cpu):
     model = build_model(ModelConfig(foundation=f, layer_backend="local"), config, device_type="cpu")
     padding = (f.padded_vocab_size() - f.vocab_size) * f.hidden_size  # tied embeddings
     assert sum(p.numel() for p in model.parameters()) == f.num_parameters() + padding
+
+
+def test_selective_recompute_still_trains_the_indexer(megatron_cpu):
+    # core attention is recomputed in backward: its first forward runs without grad (no loss),
+    # and the recomputation attaches the indexer loss
+    x = torch.randn(S, B, 64)
+    grads = {}
+    for recompute in (None, "selective"):
+        torch.manual_seed(0)
+        attn, config = dsa_attention(dataclasses.replace(tiny(topk=8), recompute=recompute))
+        assert attn.checkpoint_core_attention == (recompute == "selective")
+        run(attn, x)
+        grads[recompute] = {n: p.grad for n, p in attn.named_parameters()}
+    for name, g in grads[None].items():
+        torch.testing.assert_close(grads["selective"][name], g, msg=name)
