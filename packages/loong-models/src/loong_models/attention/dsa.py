@@ -106,6 +106,9 @@ class DSAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
+        # up_v_weight, position_ids, attn_mask_type: AbsorbedMLASelfAttention passes them; the value
+        # up-projection is left to it (it applies W_UV to the latent output), positions are implicit
+        # (RoPE is already applied) and the mask type is causal by construction.
         if value is not None or key.dim() != 4 or key.size(2) != 1:
             raise ValueError("DSAttention expects absorbed MLA's MQA layout: value=None, key [s, b, 1, d]")
         if packed_seq_params is not None:
