@@ -64,12 +64,13 @@ def env_for_train() -> dict[str, str]:
     return env
 
 
-def make_runner(base: Path, data_cache: Path):
-    """runner(overrides, nproc=1, name="run") -> Run, writing into base/name."""
+def make_runner(base: Path, data_cache: Path, defaults: list[str] = TINY):
+    """runner(overrides, nproc=1, name="run") -> Run, writing into base/name; ``defaults`` come
+    before ``overrides`` (TINY: a tiny Llama-style model and short runs)."""
 
     def _run(overrides: list[str], nproc: int = 1, name: str = "run", timeout: float = 600) -> Run:
         out = base / name
-        args = [*TINY, f"data.cache_dir={data_cache}", f"train.output_dir={out}", *overrides]
+        args = [*defaults, f"data.cache_dir={data_cache}", f"train.output_dir={out}", *overrides]
         proc = subprocess.run(
             train_command(args, nproc), cwd=base, env=env_for_train(),
             capture_output=True, text=True, timeout=timeout,

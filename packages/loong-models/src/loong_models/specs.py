@@ -3,6 +3,11 @@
 CUDA with Transformer Engine installed: megatron-core's TE layer spec (fused norms + linears,
 TE/cuDNN attention). Everywhere else: megatron-core's local modules with :class:`SDPAttention`
 as core attention (no materialised attention matrix) and loong-kernels' RMSNorm.
+
+DeepSeek sparse attention (MLA config with ``dsa_indexer_topk`` set), on either backend:
+megatron's ``AbsorbedMLASelfAttention`` (the backend's linears) with Loong's
+:class:`DSAttention` as core attention (loong-kernels: TileLang on CUDA, torch elsewhere) and
+Loong's RMSNorm for the layer-input and latent norms; the MLP stays the backend's.
 """
 
 from __future__ import annotations
@@ -10,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from loong_models.attention import SDPAttention
+from loong_models.attention import DSAttention, DSAttentionSubmodules, LightningIndexer, SDPAttention
 from loong_models.log import logger
 from loong_models.norm import RMSNorm
 
@@ -53,6 +59,10 @@ def decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: int
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=backend == "te", normalization="RMSNorm", vp_stage=vp_stage
     )
+    if uses_sparse_attention(config):
+        logger.debug("layer spec: absorbed MLA + DeepSeek sparse attention (loong-kernels), %s linears", backend)
+        layers = [_dsa_layer(s, backend) for s in block.layer_specs]
+        return dataclasses.replace(block, layer_specs=layers, layer_norm=RMSNorm if backend == "local" else block.layer_norm)
     if backend == "te":
         logger.debug("layer spec: transformer-engine")
         return block
@@ -75,6 +85,52 @@ def _local_layer(spec: ModuleSpec) -> ModuleSpec:
         input_layernorm=RMSNorm,
         pre_mlp_layernorm=RMSNorm,
     )
+    return dataclasses.replace(spec, submodules=sub)
+
+
+def uses_sparse_attention(config: TransformerConfig) -> bool:
+    """MLA with the DSA indexer configured (see foundation/build.py)."""
+    return bool(getattr(config, "multi_latent_attention", False)) and config.dsa_indexer_topk is not None
+
+
+def _dsa_attention(backend: str) -> ModuleSpec:
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+        AbsorbedMLASelfAttention,
+        AbsorbedMLASelfAttentionSubmodules,
+    )
+
+    if backend == "te":  # the linears megatron's own DSA spec takes from TE
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        te = TESpecProvider()
+        down, column, row = te.linear(), te.column_parallel_linear(), te.row_parallel_linear()
+    else:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        down, column, row = ColumnParallelLinear, ColumnParallelLinear, RowParallelLinear
+    return ModuleSpec(
+        module=AbsorbedMLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=AbsorbedMLASelfAttentionSubmodules(
+            linear_q_proj=column,
+            linear_q_down_proj=down,
+            linear_q_up_proj=column,
+            linear_kv_down_proj=down,
+            linear_kv_up_proj=column,
+            core_attention=ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=LightningIndexer)),
+            linear_proj=row,
+            # standalone (not fused into the up projections): the indexer reads the normed q latent
+            q_layernorm=RMSNorm,
+            kv_layernorm=RMSNorm,
+        ),
+    )
+
+
+def _dsa_layer(spec: ModuleSpec, backend: str) -> ModuleSpec:
+    norms = dict(input_layernorm=RMSNorm)
+    if backend == "local":
+        norms["pre_mlp_layernorm"] = RMSNorm  # TE fuses it into the MLP's first linear
+    sub = dataclasses.replace(spec.submodules, self_attention=_dsa_attention(backend), **norms)
     return dataclasses.replace(spec, submodules=sub)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from loong_models.foundation.config import FoundationConfig
 from loong_models.foundation.families import get_family
@@ -47,7 +47,46 @@ def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> Transform
         arch.update(recompute_granularity=cfg.recompute)
         if cfg.recompute == "full":
             arch.update(recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(**{**arch, **cfg.extra, **runtime})
+    if cfg.mla is None:
+        return TransformerConfig(**{**arch, **cfg.extra, **runtime})
+    return _mla_transformer_config(cfg, {**arch, **cfg.extra, **runtime})
+
+
+def _mla_transformer_config(cfg: FoundationConfig, fields: dict[str, Any]) -> MLATransformerConfig:
+    """MLA (+ DSA) fields under megatron's own names (``MLATransformerConfig``, ``dsa_indexer_*``)."""
+    mla, dsa = cfg.mla, cfg.sparse_attention
+    assert mla is not None
+    fields.update(
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_head_dim,
+        qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim,
+        v_head_dim=mla.v_head_dim,
+        qk_layernorm=True,  # in MLA: RMSNorm on the query and KV latents (DeepSeek's q_a/kv_a norms)
+        rope_type="rope",
+        rotary_base=cfg.rotary_base,
+        # megatron fuses MLA RoPE for YaRN only, and its DSA rejects the fusion; Loong's RoPE is plain
+        apply_rope_fusion=False,
+    )
+    if dsa is not None:
+        # Megatron's names for these sizes. `experimental_attention_variant` stays unset: that
+        # switch selects megatron's own DSA modules and spec, while Loong's spec (specs.py)
+        # builds the layers around Loong's DSAttention.
+        fields.update(
+            dsa_indexer_n_heads=dsa.index_n_heads,
+            dsa_indexer_head_dim=dsa.index_head_dim,
+            dsa_indexer_topk=dsa.index_topk,
+            dsa_indexer_loss_coeff=dsa.indexer_loss_coeff,
+        )
+    config = MLATransformerConfig(**fields)
+    if dsa is not None:
+        # megatron's pipeline schedules call this hook after each micro-batch's loss with the
+        # main loss's backward scale (1/num_microbatches unless calculate_per_token_loss), so the
+        # indexer loss attached by DSAIndexerLossAutoScaler is scaled like the LM loss.
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+        config.experimental_attention_variant_loss_scale_func = DSAIndexerLossAutoScaler.set_loss_scale
+    return config
 
 
 def build_foundation(

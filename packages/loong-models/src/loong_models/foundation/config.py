@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loong_models.foundation.families import get_family
+from loong_models.foundation.families import FAMILIES, Family, get_family
+from loong_models.foundation.mla import MLAConfig, SparseAttentionConfig
 
 # megatron-core implements exactly the Llama-3 RoPE scaling of HF's "llama3" rope_type with these
 # constants (RotaryEmbedding._apply_scaling); other values would silently be ignored.
@@ -36,6 +37,10 @@ class FoundationConfig:
     max_position_embeddings: int = 2048
     rotary_base: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Multi-latent attention sizes (families with attention="mla"); replaces the GQA head sizes.
+    mla: MLAConfig | None = None
+    # DeepSeek sparse attention (families with sparse_attention=True); needs `mla`.
+    sparse_attention: SparseAttentionConfig | None = None
     norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
@@ -62,8 +67,8 @@ class FoundationConfig:
 
     def validate(self, prefix: str = "model.foundation") -> None:
         """Raise ValueError naming the offending key for inconsistent sizes."""
-        get_family(self.family)
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+        self._validate_attention(get_family(self.family), prefix)
+        if self.mla is None and self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"{prefix}.hidden_size={self.hidden_size} is not divisible by "
                 f"{prefix}.num_attention_heads={self.num_attention_heads}; set {prefix}.kv_channels"
@@ -86,12 +91,49 @@ class FoundationConfig:
                         f"Llama-3 scaling with {key}={expected} only"
                     )
 
-    def num_parameters(self, include_embedding: bool = True) -> int:
-        """Exact parameter count of the model this config builds (unpadded vocab)."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+    def _validate_attention(self, fam: Family, prefix: str) -> None:
+        """The sub-configs a family's attention needs are present, and only those."""
+        users = {"mla": [f.name for f in FAMILIES.values() if f.attention == "mla"],
+                 "sparse_attention": [f.name for f in FAMILIES.values() if f.sparse_attention]}  # fmt: skip
+        for key, needed in (("mla", fam.attention == "mla"), ("sparse_attention", fam.sparse_attention)):
+            value = getattr(self, key)
+            if needed and value is None:
+                raise ValueError(f"{prefix}.{key} is required by family {fam.name!r}")
+            if not needed and value is not None:
+                raise ValueError(
+                    f"{prefix}.{key} is set but family {fam.name!r} does not use it; "
+                    f"families that do: {', '.join(users[key])}"
+                )
+        if self.mla is None:
+            return
+        self.mla.validate(f"{prefix}.mla")
+        # MLA fixes its own head sizes; GQA keys would be silently ignored, so reject them.
+        for key in ("num_query_groups", "kv_channels", "rope_scaling"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"{prefix}.{key} does not apply to family {fam.name!r} (MLA); set it to null")
+        if self.sparse_attention is not None:
+            self.sparse_attention.validate(f"{prefix}.sparse_attention", self.mla)
+            if self.mla.q_lora_rank is None:
+                raise ValueError(
+                    f"{prefix}.mla.q_lora_rank must be set with sparse_attention: the indexer reads the query latent"
+                )
+
+    def _attention_parameters(self) -> int:
+        """One layer's attention block (projections, biases, q/k norms, DSA indexer)."""
+        h, d = self.hidden_size, self.head_dim
+        if self.mla is not None:
+            n = self.mla.num_parameters(h, self.num_attention_heads)
+            if self.sparse_attention is not None:
+                n += self.sparse_attention.num_parameters(h, self.mla)
+            return n
         fam = get_family(self.family)
         q, kv = self.num_attention_heads * d, self.query_groups * d
-        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if fam.qkv_bias else 0) + (2 * d if fam.qk_norm else 0)
+        return h * (q + 2 * kv) + q * h + (q + 2 * kv if fam.qkv_bias else 0) + (2 * d if fam.qk_norm else 0)
+
+    def num_parameters(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of the model this config builds (unpadded vocab)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        attn = self._attention_parameters()
         mlp = 3 * h * f
         per_layer = attn + mlp + 2 * h
         total = self.num_layers * per_layer + h  # + final norm

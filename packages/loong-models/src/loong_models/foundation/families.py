@@ -14,6 +14,10 @@ class Family:
     name: str
     qkv_bias: bool = False  # bias on the Q, K, V projections (Qwen2/2.5)
     qk_norm: bool = False  # RMSNorm on each head's queries and keys (Qwen3)
+    # "gqa": megatron's SelfAttention (MHA/GQA, head sizes from the YAML); "mla": multi-latent
+    # attention, sizes from the YAML's `mla:` sub-config (DeepSeek-V2/V3/V3.2)
+    attention: str = "gqa"
+    sparse_attention: bool = False  # DeepSeek sparse attention on MLA, sizes from `sparse_attention:`
     hf_architectures: tuple[str, ...] = ()  # HF `architectures` entries this family reads/writes
     hf_model_type: str = ""
 
@@ -24,6 +28,13 @@ FAMILIES: dict[str, Family] = {
         Family("llama", hf_architectures=("LlamaForCausalLM",), hf_model_type="llama"),
         Family("qwen2", qkv_bias=True, hf_architectures=("Qwen2ForCausalLM",), hf_model_type="qwen2"),
         Family("qwen3", qk_norm=True, hf_architectures=("Qwen3ForCausalLM",), hf_model_type="qwen3"),
+        Family(
+            "deepseek-v32",
+            attention="mla",
+            sparse_attention=True,
+            hf_architectures=("DeepseekV32ForCausalLM",),
+            hf_model_type="deepseek_v32",
+        ),
     )
 }
 

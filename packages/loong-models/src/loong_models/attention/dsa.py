@@ -1,0 +1,151 @@
+"""DeepSeek sparse attention (DeepSeek-V3.2) as the core attention of megatron's absorbed MLA.
+
+megatron-core's ``AbsorbedMLASelfAttention`` computes the projections and hands its core
+attention the MQA layout of absorbed MLA:
+
+* ``query`` ``[s, b, n, kv_lora_rank + rope]``: each head's no-RoPE query multiplied by that
+  head's key up-projection (``q_nope . W_UK``, "W_UK folded into q") next to its RoPE part;
+* ``key`` ``[s, b, 1, kv_lora_rank + rope]``: the normalised KV latent and the RoPE key, one
+  head shared by all query heads; the values are the latent's first ``kv_lora_rank`` dims;
+* ``x`` (the layer input after its norm) and ``qr`` (the normalised query latent).
+
+The absorption is done at train time as well: ``q . k = (q_nope W_UK) . c_kv + q_pe . k_pe``
+equals dense MLA's score exactly, and attending over the shared latent then applying ``W_UV``
+(``AbsorbedMLASelfAttention`` does that after this module returns ``[s, b, n * kv_lora_rank]``)
+equals dense MLA's output. It is what makes sparse attention cheap: the selected keys are
+gathered once per query from one 576-wide latent row, not from ``n`` per-head keys.
+
+This module runs the lightning indexer, top-k selection, sparse attention over the selected
+keys and the indexer's KL loss through loong-kernels, whose dispatch picks the fused TileLang
+kernels on CUDA (bf16/fp16) and the torch references elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loong_kernels import (
+    indexer_kl_loss,
+    lightning_indexer_scores,
+    select_topk,
+    sparse_attention_head_mean_probs,
+    sparse_mla_attention,
+)
+
+
+@dataclass
+class DSAttentionSubmodules:
+    indexer: ModuleSpec | type
+
+
+class DSAttention(MegatronModule):
+    """Core attention for ``AbsorbedMLASelfAttention`` (same constructor arguments as megatron's
+    core attentions). Causal; returns the attention over the latent, ``[s, b, n * kv_lora_rank]``.
+
+    In training with ``config.dsa_indexer_loss_coeff > 0`` the indexer's KL loss is attached to
+    the output with megatron's ``DSAIndexerLossAutoScaler`` (the MoE aux-loss trick): the
+    backward pass of the output also back-propagates the loss, scaled by what megatron's pipeline
+    schedule sets through ``config.experimental_attention_variant_loss_scale_func``. The loss is
+    a sum over query tokens with ``calculate_per_token_loss`` (like the LM loss, megatron then
+    divides by the number of tokens) and a mean otherwise. ``indexer_loss`` keeps the last
+    training forward's value, detached, for logging.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: DSAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("DSAttention does not support context parallelism")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"DSAttention is causal; got attn_mask_type={attn_mask_type}")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.tp_group = pg_collection.tp
+        self.layer_number = layer_number
+        self.topk = config.dsa_indexer_topk
+        self.loss_coeff = config.dsa_indexer_loss_coeff or 0.0
+        self.d_v = v_channels if v_channels is not None else config.kv_lora_rank
+        # Absorbed MLA passes the dense MLA scale (1/sqrt(qk_head_dim + rope)), not 1/sqrt(576).
+        self.softmax_scale = softmax_scale
+        self.indexer = build_module(submodules.indexer, config=config)
+        self.indexer_loss: torch.Tensor | None = None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        up_v_weight: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        # up_v_weight, position_ids, attn_mask_type: AbsorbedMLASelfAttention passes them; the value
+        # up-projection is left to it (it applies W_UV to the latent output), positions are implicit
+        # (RoPE is already applied) and the mask type is causal by construction.
+        if value is not None or key.dim() != 4 or key.size(2) != 1:
+            raise ValueError("DSAttention expects absorbed MLA's MQA layout: value=None, key [s, b, 1, d]")
+        if packed_seq_params is not None:
+            raise ValueError("packed (THD) sequences are not supported by DSAttention yet")
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("DSAttention is causal and takes no attention_mask / attention_bias")
+        s, b, heads, _ = query.shape
+        tp = self.tp_group.size()
+        if self.config.sequence_parallel and tp > 1:
+            # The indexer scores every query against every key: it needs the full sequence.
+            x = gather_from_sequence_parallel_region(x, group=self.tp_group)
+            qr = gather_from_sequence_parallel_region(qr, group=self.tp_group)
+        with_loss = self.training and torch.is_grad_enabled() and self.loss_coeff > 0
+        # DeepSeek-V3.2 trains the indexer only through its loss, and its loss must not reach the
+        # main model: the indexer reads detached inputs, and without the loss it needs no graph.
+        with torch.set_grad_enabled(with_loss):
+            q_i, k_i, w = self.indexer(x.detach(), qr.detach())
+
+        outs, kl = [], []
+        # One call per sequence: each sequence is one document of the packed-THD kernels, and
+        # the dense [s, s] indexer scores stay per sequence rather than [b*s, b*s].
+        for i in range(b):
+            q, kv = query[:, i], key[:, i, 0]
+            indices = select_topk(lightning_indexer_scores(q_i[:, i], k_i[:, i], w[:, i]), self.topk)
+            out, lse = sparse_mla_attention(q, kv, indices, self.d_v, self.softmax_scale)
+            outs.append(out)
+            if with_loss:
+                target = sparse_attention_head_mean_probs(q.detach(), kv.detach(), indices, lse, self.softmax_scale)
+                if tp > 1:
+                    # Heads are split over TP ranks: the target averages over all of them.
+                    dist.all_reduce(target, group=self.tp_group)
+                    target /= tp
+                kl.append(indexer_kl_loss(q_i[:, i], k_i[:, i], w[:, i], indices, target))
+        output = torch.stack(outs, dim=1)  # [s, b, heads, d_v]
+        if with_loss:
+            mean_kl = torch.stack(kl).mean()  # every sequence has s query rows
+            loss = self.loss_coeff * (mean_kl * (s * b) if self.config.calculate_per_token_loss else mean_kl)
+            self.indexer_loss = loss.detach()
+            output = DSAIndexerLossAutoScaler.apply(output, loss)
+        return output.reshape(s, b, heads * self.d_v)
