@@ -10,22 +10,34 @@ import torch.distributed as dist
 
 from loong_data import (
     DistributedBatchSampler,
+    DocumentDataset,
+    LogNormalLengths,
     PackedTextDataset,
     TextTokenizer,
+    TokenFile,
     collate,
     default_corpus,
     default_tokenizer,
     load_tokenizer,
+    packing_strategy,
     prepare_text_dataset,
 )
 from loong_train.schema import DataConfig
+from loong_train.thd import PackedDocuments, TrainBalancer
 
 
 @dataclass
 class TextData:
     tokenizer: TextTokenizer
-    train: PackedTextDataset
-    val: PackedTextDataset
+    train: PackedTextDataset | PackedDocuments
+    val: PackedTextDataset | PackedDocuments
+
+
+def _packed_documents(cfg: DataConfig, split: TokenFile, tokenizer: TextTokenizer, seed: int) -> PackedDocuments:
+    t = cfg.thd
+    lengths = LogNormalLengths(median=t.median_length, sigma=t.sigma, long_fraction=t.long_fraction)
+    docs = DocumentDataset(split, cfg.seq_length, lengths=lengths, seed=seed)
+    return PackedDocuments(docs, cfg.seq_length, packing_strategy(t.strategy, t.buffer_size), tokenizer.pad_id)
 
 
 def load_text_data(cfg: DataConfig, *, is_main: bool, seed: int) -> TextData:
@@ -39,6 +51,9 @@ def load_text_data(cfg: DataConfig, *, is_main: bool, seed: int) -> TextData:
         dist.barrier()
     if not is_main:
         corpus = prepare_text_dataset(sources, tokenizer, Path(cfg.cache_dir), **kwargs)  # cache hit
+    if cfg.packing == "thd":
+        return TextData(tokenizer, _packed_documents(cfg, corpus.train, tokenizer, seed),
+                        _packed_documents(cfg, corpus.val, tokenizer, seed))
     return TextData(
         tokenizer,
         PackedTextDataset(corpus.train, cfg.seq_length),
@@ -51,7 +66,7 @@ def microbatches(dataset: PackedTextDataset, sampler_step: list[list[int]]) -> l
 
 
 def step_batches(
-    dataset: PackedTextDataset,
+    dataset: PackedTextDataset | PackedDocuments,
     *,
     micro_batch_size: int,
     num_microbatches: int,
@@ -59,8 +74,11 @@ def step_batches(
     dp_size: int,
     seed: int,
     start_step: int = 0,
+    balancer: TrainBalancer | None = None,
 ) -> Iterator[list[dict]]:
-    """For each step from ``start_step``: this DP rank's micro-batches."""
+    """For each step from ``start_step``: this DP rank's micro-batches. For packed documents the
+    rank's samples of the step (optionally rebalanced across DP ranks, a collective) are packed
+    into as many micro-batches as they need."""
     sampler = DistributedBatchSampler(
         len(dataset),
         micro_batch_size=micro_batch_size,
@@ -71,4 +89,7 @@ def step_batches(
         start_step=start_step,
     )
     for step_indices in sampler:
-        yield microbatches(dataset, step_indices)
+        if isinstance(dataset, PackedDocuments):
+            yield dataset.step([i for mb in step_indices for i in mb], balancer)
+        else:
+            yield microbatches(dataset, step_indices)

@@ -14,6 +14,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from loong_ckpt.training import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
 from loong_models import build_model, build_transformer_config, fusion_fields, resolve_backend
+from loong_models.packed_seq import packed_seq_params
 from loong_parallel import (
     LOSS_KEY,
     build_model_chunks,
@@ -29,6 +30,7 @@ from loong_train.data import load_text_data, step_batches
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, progress_bar
 from loong_train.schema import Config, ConfigError, validate
+from loong_train.thd import build_balancer, schedule_shape
 from loong_xpu import Accelerator, get_accelerator, redirect_cuda
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,14 +49,19 @@ class RunSummary:
 
 
 def lm_forward_step(device: torch.device, data_iterator, model):
-    """megatron forward_step: per-token LM loss on the last stage, hidden states elsewhere."""
+    """megatron forward_step: per-token LM loss on the last stage, hidden states elsewhere.
+    Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document."""
     batch = next(data_iterator)
     tokens = batch["tokens"].to(device, non_blocking=True)
+    packed = None
+    if "cu_seqlens" in batch:
+        packed = packed_seq_params(batch["cu_seqlens"].to(device, non_blocking=True), batch["max_seqlen"])
     output = model(
         tokens,
         batch["position_ids"].to(device, non_blocking=True),
         None,  # causal mask is implied by the layer spec
         labels=batch["labels"].to(device, non_blocking=True),
+        packed_seq_params=packed,
     )
     return output, partial(_lm_loss, batch["loss_mask"].to(device, non_blocking=True))
 
@@ -147,9 +154,16 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
 
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     sched = dict(num_microbatches=num_microbatches, seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size)
+    b = cfg.data.balance
+    balancer = build_balancer(
+        num_parameters=n_params, num_layers=f.num_layers, attention_width=f.num_attention_heads * f.head_dim,
+        group=mpu.get_data_parallel_group(), device=device, min_imbalance=b.min_imbalance,
+        max_tokens=b.max_tokens_per_rank, refit=b.refit, warmup_steps=b.refit_warmup_steps,
+        interval=b.refit_interval, window=b.refit_window,
+    ) if b.enabled else None  # fmt: skip
     batches = step_batches(
         data.train, micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
-        dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, start_step=start_step,
+        dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, start_step=start_step, balancer=balancer,
     )  # fmt: skip
     forward_step = partial(lm_forward_step, device)
     metrics = MetricsWriter(out_dir, enabled=is_main, tensorboard=t.tensorboard, resume_step=start_step)
@@ -162,7 +176,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         )  # fmt: skip
         mbs = next(eval_batches)
         loss, _ = eval_step(forward_step, _iterators(mbs, len(chunks)), chunks, device=device,
-                            **{**sched, "num_microbatches": len(mbs)})  # fmt: skip
+                            **schedule_shape(mbs, {**sched, "num_microbatches": len(mbs)}))  # fmt: skip
         metrics.write({"step": step, "split": "val", "loss": loss})
         return loss
 
@@ -176,11 +190,14 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     window_t0, window_tokens = time.perf_counter(), 0
     for step in range(start_step + 1, t.steps + 1):
         step_t0 = time.perf_counter()
-        result = train_step(forward_step, _iterators(next(batches), len(chunks)), chunks, optimizer, scheduler,
-                            device=device, **sched)  # fmt: skip
+        mbs = next(batches)
+        result = train_step(forward_step, _iterators(mbs, len(chunks)), chunks, optimizer, scheduler, device=device,
+                            synchronize=accel.synchronize if balancer else None, **schedule_shape(mbs, sched))  # fmt: skip
+        if balancer:
+            balancer.observe(mbs, result.compute_s)
         accel.synchronize()
         step_time = time.perf_counter() - step_t0
-        window_tokens += tokens_per_step
+        window_tokens += result.num_tokens  # loss tokens: every token in fixed packing, real ones in THD
         summary.losses[step] = result.loss
         if summary.first_loss is None:
             summary.first_loss = result.loss
@@ -194,6 +211,8 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
                 "tokens_per_s": tps, "tokens_per_s_per_device": tps / world_size, "step_time_s": step_time,
                 "skipped": result.skipped,
             }  # fmt: skip
+            if balancer:
+                record.update(balancer.metrics())
             if peak:
                 record["mfu"] = flops_per_token * tps / world_size / peak
             mem = accel.memory_stats()

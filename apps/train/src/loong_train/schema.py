@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
+from loong_train.packing_config import BalanceConfig, ThdConfig, validate_packing
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
@@ -19,6 +20,11 @@ class DataConfig:
     cache_dir: str = "runs/data-cache"  # tokenised corpora, reused across runs
     seq_length: int = 256
     val_fraction: float = 0.02
+    # fixed: seq_length windows of the token stream; thd: variable-length document samples packed
+    # into seq_length-token sequences with cu_seqlens (no attention across documents)
+    packing: str = "fixed"
+    thd: ThdConfig = field(default_factory=ThdConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
 
 
 @dataclass
@@ -83,6 +89,10 @@ def validate(cfg: Config, world_size: int) -> int:
             f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size "
             f"x data-parallel size = {t.micro_batch_size} x {dp} = {per_step}"
         )
+    d = cfg.data
+    for error in validate_packing(d.packing, d.thd, d.balance, seq_length=d.seq_length, tp=cfg.parallel.tp,
+                                  sequence_parallel=cfg.parallel.sequence_parallel):
+        raise ConfigError(error)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
     return t.global_batch_size // per_step

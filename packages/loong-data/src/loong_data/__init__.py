@@ -9,11 +9,29 @@
                                       dp_rank=0, dp_size=1, seed=0)
     microbatches = next(iter(sampler))
     batch = collate([ds[i] for i in microbatches[0]])   # tokens, labels, loss_mask, position_ids
+
+Variable-length samples packed into THD sequences (no attention across samples):
+
+    docs = DocumentDataset(corpus.train, max_length=256, lengths=LogNormalLengths(median=64, sigma=1.0))
+    idx = microbatches[0]
+    packs = FirstFitDecreasing().pack([int(docs.lengths[i]) for i in idx], capacity=256)
+    batch = collate_packed([docs[idx[j]] for j in packs[0]], capacity=256)  # + cu_seqlens, max_seqlen
 """
 
 from loong_data.bundled import default_corpus, default_tokenizer
 from loong_data.collate import collate
+from loong_data.documents import DocumentDataset
+from loong_data.lengths import LogNormalLengths
 from loong_data.packed import PackedTextDataset
+from loong_data.packed_collate import collate_packed
+from loong_data.packing import (
+    STRATEGIES,
+    FirstFitDecreasing,
+    PackingStrategy,
+    SequentialPacking,
+    packing_strategy,
+    padding_fraction,
+)
 from loong_data.prepare import TokenizedCorpus, prepare_text_dataset
 from loong_data.sampler import DistributedBatchSampler
 from loong_data.token_file import TokenFile
@@ -23,14 +41,23 @@ __version__ = "0.1.0"
 __all__ = [
     "EOD_TOKEN",
     "PAD_TOKEN",
+    "STRATEGIES",
     "DistributedBatchSampler",
+    "DocumentDataset",
+    "FirstFitDecreasing",
+    "LogNormalLengths",
     "PackedTextDataset",
+    "PackingStrategy",
+    "SequentialPacking",
     "TextTokenizer",
     "TokenFile",
     "TokenizedCorpus",
     "collate",
+    "collate_packed",
     "default_corpus",
     "default_tokenizer",
     "load_tokenizer",
+    "packing_strategy",
+    "padding_fraction",
     "prepare_text_dataset",
 ]

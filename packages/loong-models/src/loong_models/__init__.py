@@ -9,6 +9,7 @@ from loong_models.foundation import (
     get_family,
 )
 from loong_models.model import ModelConfig, build_model, load_model_config, to_model_config, zoo_names
+from loong_models.packed_seq import packed_seq_params
 from loong_models.specs import decoder_block_spec, fusion_fields, resolve_backend
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "fusion_fields",
     "get_family",
     "load_model_config",
+    "packed_seq_params",
     "resolve_backend",
     "to_model_config",
     "zoo_names",

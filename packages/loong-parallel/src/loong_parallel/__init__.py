@@ -1,8 +1,10 @@
 """loong-parallel: the parallel runtime between the model zoo and the train app.
 
-Process groups (TP / PP / DP), megatron-core DDP and optimizer wiring, pipeline schedules.
+Process groups (TP / PP / DP), megatron-core DDP and optimizer wiring, pipeline schedules, and
+data-parallel load balancing (:mod:`loong_parallel.balance`).
 """
 
+from loong_parallel.balance import DPBalancer, OnlineCostFit, QuadraticCost
 from loong_parallel.config import ParallelConfig
 from loong_parallel.distributed import DistEnv, init_distributed, initialize_model_parallel, shutdown
 from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
@@ -13,10 +15,13 @@ from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
 __version__ = "0.1.0"
 __all__ = [
     "LOSS_KEY",
+    "DPBalancer",
     "DistEnv",
     "ModelProvider",
+    "OnlineCostFit",
     "OptimConfig",
     "ParallelConfig",
+    "QuadraticCost",
     "StepResult",
     "build_model_chunks",
     "build_optimizer",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +13,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 # The loss function handed to megatron returns (loss_sum, num_tokens, {LOSS_KEY: [sum, count]}).
 LOSS_KEY = "lm loss"
@@ -23,6 +26,29 @@ class StepResult:
     grad_norm: float | None
     lr: float
     skipped: bool  # the optimizer skipped the update (inf/nan gradients)
+    # Seconds from the start of the step until gradient finalisation began on this rank: its own
+    # forward/backward work, without waiting for other data-parallel ranks (None: not measured).
+    compute_s: float | None = None
+
+
+@contextmanager
+def _time_until_grad_sync(chunks: list[torch.nn.Module], synchronize: Callable[[], None], out: dict):
+    """Note the time at which megatron calls ``finalize_model_grads`` (after the last backward,
+    before the data-parallel reduction waits for the slowest rank)."""
+    config = get_model_config(chunks[0])
+    original = config.finalize_model_grads_func
+    t0 = time.perf_counter()
+
+    def timed(*args, **kwargs):
+        synchronize()
+        out["compute_s"] = time.perf_counter() - t0
+        return original(*args, **kwargs)
+
+    config.finalize_model_grads_func = timed
+    try:
+        yield
+    finally:
+        config.finalize_model_grads_func = original
 
 
 def _global_loss(per_microbatch: list[dict], device: torch.device) -> tuple[float, int]:
@@ -53,23 +79,34 @@ def train_step(
     seq_length: int,
     micro_batch_size: int,
     device: torch.device,
+    synchronize: Callable[[], None] | None = None,
 ) -> StepResult:
+    """One optimizer step. With ``synchronize`` (the accelerator's), also measures
+    :attr:`StepResult.compute_s`, the input of DP load balancing's online cost fit."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=data_iterator,
-        model=chunks,
-        forward_only=False,
-        **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
-    )
+    timing: dict[str, float] = {}
+    with _time_until_grad_sync(chunks, synchronize, timing) if synchronize else _no_timing():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=chunks,
+            forward_only=False,
+            **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
+        )
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=1)
     loss, count = _global_loss(outputs, device)
     lr = optimizer.param_groups[0]["lr"]
-    return StepResult(loss, count, float(grad_norm) if grad_norm is not None else None, lr, not ok)
+    return StepResult(loss, count, float(grad_norm) if grad_norm is not None else None, lr, not ok,
+                      timing.get("compute_s"))
+
+
+@contextmanager
+def _no_timing():
+    yield
 
 
 @torch.no_grad()

@@ -4,11 +4,16 @@ megatron-core's local ``DotProductAttention`` materialises the [b, heads, s, s] 
 This module has the same constructor and forward signature, so it drops into a megatron layer
 spec, but lets torch pick a fused kernel (flash / memory-efficient on GPU, a blocked kernel on
 CPU), which never materialises the full matrix for causal attention.
+
+Packed (THD) micro-batches (``packed_seq_params.qkv_format == "thd"``) run one causal SDPA per
+document segment (see :mod:`loong_models.attention.packed`), so no token attends across a
+document boundary and no [t, t] mask exists.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +23,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from loong_models.attention.packed import packed_causal_attention
 
 
 class SDPAttention(MegatronModule):
@@ -63,11 +70,11 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise ValueError("packed (THD) sequences need Transformer Engine attention in this version")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by SDPAttention")
         mask_type = attn_mask_type or self.attn_mask_type
+        if packed_seq_params is not None:
+            return self._forward_packed(query, key, value, attention_mask, mask_type, packed_seq_params)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         is_causal = mask_type == AttnMaskType.causal and attention_mask is None
@@ -86,3 +93,22 @@ class SDPAttention(MegatronModule):
         # [b, h, s, d] -> [s, b, h*d]
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+    def _forward_packed(self, query, key, value, attention_mask, mask_type, packed_seq_params) -> torch.Tensor:
+        """THD: megatron hands [t, heads, d] (batch dimension squeezed) and reshapes [t, h*d] back."""
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention supports packed qkv_format 'thd' only, got {packed_seq_params.qkv_format!r}")
+        if mask_type != AttnMaskType.causal or attention_mask is not None:
+            raise ValueError("packed (THD) sequences are supported with causal attention and no explicit mask")
+        cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
+            raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        if packed_seq_params.cu_seqlens_q_padded is not None and not torch.equal(packed_seq_params.cu_seqlens_q_padded, cu_q):
+            raise ValueError("cu_seqlens_q_padded != cu_seqlens_q: pad packs with a padding segment instead "
+                             "(loong_data.collate_packed does)")
+        dropout_p = self.dropout_p if self.training else 0.0
+        run = partial(packed_causal_attention, query, key, value, cu_q, scale=self.softmax_scale, dropout_p=dropout_p)
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return run()
+        return run()

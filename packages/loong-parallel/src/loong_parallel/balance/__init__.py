@@ -1,0 +1,26 @@
+"""Data-parallel load balancing: cost model, assignment, all-to-all exchange, online refit."""
+
+from loong_parallel.balance.assign import CapInfeasible, balance_assignment, imbalance, keep_local, rank_loads
+from loong_parallel.balance.balancer import BalancePlan, DPBalancer, plan_balance
+from loong_parallel.balance.cost import QuadraticCost, SampleCost, fit_quadratic_cost, segment_features
+from loong_parallel.balance.exchange import FieldSpec, exchange_samples, field_specs
+from loong_parallel.balance.refit import OnlineCostFit
+
+__all__ = [
+    "BalancePlan",
+    "CapInfeasible",
+    "DPBalancer",
+    "FieldSpec",
+    "OnlineCostFit",
+    "QuadraticCost",
+    "SampleCost",
+    "balance_assignment",
+    "exchange_samples",
+    "field_specs",
+    "fit_quadratic_cost",
+    "imbalance",
+    "keep_local",
+    "plan_balance",
+    "rank_loads",
+    "segment_features",
+]

@@ -1,0 +1,46 @@
+"""Run under torchrun (gloo): the train app's loop twice in one launch, packed data with DP load
+balancing off then on, from the same seed; rank 0 writes both runs' metrics paths to argv[1] as
+JSON. One launch instead of two halves the process start-up (megatron import) cost of the test.
+
+    torchrun --standalone --nproc-per-node 4 tests/dp_balance_runs.py OUT.json OVERRIDES...
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+import loong_train
+import loong_train.loop as loop
+from loong_parallel import shutdown
+from loong_train.main import to_config
+
+
+def keep_process_group() -> None:
+    # Re-creating the process group after a teardown hangs in the env:// rendezvous; between the
+    # runs only megatron's model-parallel groups are destroyed.
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+
+
+def main() -> None:
+    out_json, overrides = Path(sys.argv[1]), sys.argv[2:]
+    loop.shutdown = keep_process_group
+    config_dir = str(Path(loong_train.__file__).parent / "configs")
+    metrics = {}
+    for name in ("off", "on"):
+        run_overrides = [*overrides, f"data.balance.enabled={'true' if name == 'on' else 'false'}",
+                         f"train.output_dir={out_json.parent / name}"]
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            cfg = to_config(compose(config_name="config", overrides=run_overrides))
+        metrics[name] = str(loop.run(cfg).metrics_file)
+    shutdown()
+    if int(os.environ["RANK"]) == 0:
+        out_json.write_text(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The packed (THD) data path of the train app, in one process: it trains, its config keys are
+checked, and the default job is unchanged."""
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from loong_train.main import to_config
+from loong_train.schema import ConfigError, validate
+
+
+def compose_config(*overrides: str):
+    with initialize_config_module("loong_train.configs", version_base=None):
+        return to_config(compose("config", overrides=list(overrides)))
+
+
+def test_default_job_keeps_fixed_packing_and_no_balancing() -> None:
+    cfg = compose_config()
+    assert cfg.data.packing == "fixed" and not cfg.data.balance.enabled
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.packing=bshd"], r"data.packing='bshd'; allowed: fixed, thd"),
+        (["data.packing=thd", "data.thd.strategy=best"], r"data.thd.strategy='best'; allowed: ffd, sequential"),
+        (["data.balance.enabled=true"], r"data.balance.enabled=true needs data.packing=thd"),
+        (["data.packing=thd", "data.balance.max_tokens_per_rank=8"], r"max_tokens_per_rank=8 must be null or >="),
+    ],
+)
+def test_packing_config_errors_name_the_key(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(*overrides), world_size=1)
+
+
+def test_thd_training_runs_and_learns(run_train) -> None:
+    run = run_train(["data.packing=thd", "data.seq_length=128", "data.thd.median_length=24",
+                     "data.thd.strategy=sequential", "train.steps=6", "train.eval_interval=3"]).check()
+    train = run.records("train")
+    assert len(train) == 6 and train[-1]["loss"] < train[0]["loss"]
+    assert len(run.records("val")) == 2
