@@ -57,8 +57,8 @@ def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
     ]  # fmt: skip
 
 
-def env_for_train() -> dict[str, str]:
-    env = dict(os.environ, LOONG_DEVICE="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+def env_for_train(device: str = "cpu") -> dict[str, str]:
+    env = dict(os.environ, LOONG_DEVICE=device, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
@@ -68,11 +68,11 @@ def make_runner(base: Path, data_cache: Path, defaults: list[str] = TINY):
     """runner(overrides, nproc=1, name="run") -> Run, writing into base/name; ``defaults`` come
     before ``overrides`` (TINY: a tiny Llama-style model and short runs)."""
 
-    def _run(overrides: list[str], nproc: int = 1, name: str = "run", timeout: float = 600) -> Run:
+    def _run(overrides: list[str], nproc: int = 1, name: str = "run", timeout: float = 600, device: str = "cpu") -> Run:
         out = base / name
         args = [*defaults, f"data.cache_dir={data_cache}", f"train.output_dir={out}", *overrides]
         proc = subprocess.run(
-            train_command(args, nproc), cwd=base, env=env_for_train(),
+            train_command(args, nproc), cwd=base, env=env_for_train(device),
             capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
         return Run(proc.returncode, proc.stdout, proc.stderr, out)
