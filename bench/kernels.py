@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from loong_kernels import dispatch
 from loong_kernels.reference import dsa as ref_dsa
 from loong_kernels.reference import linear_cross_entropy_chunked, linear_cross_entropy_unfused

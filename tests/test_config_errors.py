@@ -3,9 +3,10 @@ missing data names the path."""
 
 import pytest
 from hydra import compose, initialize_config_module
+from omegaconf.errors import ConfigKeyError, ValidationError
+
 from loong_train.main import to_config
 from loong_train.schema import ConfigError, validate
-from omegaconf.errors import ConfigKeyError, ValidationError
 
 
 def compose_config(*overrides: str):

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+
 from loong_kernels import choose, dispatch, use_implementation
 from loong_kernels.tilelang_support import tilelang_importable
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from loong_kernels import (
     deepseek_sparse_attention,
     indexer_kl_loss,

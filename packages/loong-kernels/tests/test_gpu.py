@@ -6,9 +6,10 @@ references compute in float32, so tolerances are those of bfloat16 rounding of t
 fallback to the reference cannot make it pass.
 """
 
-import loong_kernels as lk
 import pytest
 import torch
+
+import loong_kernels as lk
 from loong_kernels import use_implementation
 from loong_kernels.tilelang_support import tilelang_importable
 

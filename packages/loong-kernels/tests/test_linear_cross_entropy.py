@@ -3,9 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from loong_kernels import linear_cross_entropy
 from loong_kernels.reference import linear_cross_entropy_unfused
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _data(n=37, dim=16, vocab=50, dtype=torch.float64, seed=0):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
 from loong_kernels import rms_norm, swiglu
 from loong_kernels.ops.rms_norm import RMSNormFunction
 from loong_kernels.ops.swiglu import SwiGLUFunction

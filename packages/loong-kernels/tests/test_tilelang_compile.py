@@ -3,6 +3,7 @@
 import importlib
 
 import pytest
+
 from loong_kernels.tilelang_support import nvcc_available, tilelang_importable
 
 pytestmark = pytest.mark.skipif(

@@ -62,11 +62,15 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
         raise ConversionError(f"dtype {name!r}; allowed: auto, {', '.join(_DTYPES)}") from None
 
 
+def check_output_dir(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ConversionError(f"output directory {out} exists and is not empty; pass --force to replace it")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
     """Yield ``<out>.partial``; on success it replaces ``out``; on failure it is removed."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ConversionError(f"output directory {out} exists and is not empty; pass --force to replace it")
+    check_output_dir(out, force)
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -126,6 +130,7 @@ def hf_to_mcore(
     """Convert an HF directory into a complete Loong checkpoint directory ``out``."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out).absolute()
+    check_output_dir(out, force)
     reader = HFReader(src)
     cfg = from_hf_config(reader.config, str(src / CONFIG_FILE))
     check_layout(cfg, tp, pp)
@@ -236,6 +241,7 @@ def mcore_to_hf(
     """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
+    check_output_dir(out, force)
     if src.name.endswith(PARTIAL_SUFFIX):
         raise ConversionError(f"{src} is an incomplete checkpoint (interrupted save); it cannot be converted")
     cfg, meta = _checkpoint_foundation(src, foundation)
