@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -124,6 +125,19 @@ def _flatten(x) -> list:
     return [x]
 
 
+@contextlib.contextmanager
+def _unwrapped_errors() -> Iterator[None]:
+    """DCP wraps every failure in a CheckpointException (a BaseException); re-raise the original
+    so that a ConversionError naming the key, or an OSError naming the file, reaches the user."""
+    try:
+        yield
+    except CheckpointException as e:
+        failures = list(e.failures.values())
+        if failures and isinstance(failures[0][0], Exception):
+            raise failures[0][0] from None
+        raise
+
+
 # --- writing ----------------------------------------------------------------------------------
 
 
@@ -196,7 +210,8 @@ def write_checkpoint(
     """Write a megatron torch_dist checkpoint into ``path`` (an existing, empty directory), calling
     ``compute(chunk)`` for each chunk's data as the writer reaches it."""
     writer = FileSystemWriter(str(path), single_file_per_rank=True, thread_count=1, sync_files=True)
-    dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(chunks, objects, compute), no_dist=True)
+    with _unwrapped_errors():
+        dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(chunks, objects, compute), no_dist=True)
     (path / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
 
 
@@ -245,5 +260,6 @@ class _RegionLoadPlanner(LoadPlanner):
 def read_regions(path: str | Path, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> None:
     """Fill each buffer with the region of its key that starts at ``offsets`` (buffer-sized)."""
     if regions:
-        dcp.load(dict.fromkeys(regions), storage_reader=FileSystemReader(str(path)),
-                 planner=_RegionLoadPlanner(regions), no_dist=True)  # fmt: skip
+        with _unwrapped_errors():
+            dcp.load(dict.fromkeys(regions), storage_reader=FileSystemReader(str(path)),
+                     planner=_RegionLoadPlanner(regions), no_dist=True)  # fmt: skip
