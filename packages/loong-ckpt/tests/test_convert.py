@@ -32,7 +32,9 @@ def test_logits_match_hf_tp1(family, converted):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_online_hf_load_matches_hf_tp1(family, converted):
     c = converted(family)
-    assert (logits_in_process(c.hf, c.tokens) - c.ref).abs().max().item() <= TOL
+    online = logits_in_process(c.hf, c.tokens)
+    assert (online - c.ref).abs().max().item() <= TOL
+    assert torch.equal(online, logits_in_process(c.ckpt, c.tokens))  # same weights as the offline path
 
 
 @pytest.mark.parametrize("family", FAMILIES)
