@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "loong-ckpt" / "tests"))
-from hf_models import make_hf_model  # noqa: E402
+from hf_models import make_hf_model  # packages/loong-ckpt/tests (root pytest pythonpath)
 
 # Matches conftest.TINY's model shape; vocab covers the bundled 8k tokenizer.
 VOCAB = 8192

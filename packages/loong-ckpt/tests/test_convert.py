@@ -8,10 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILIES, logits_in_process, worker_env
+from ckpt_testlib import FAMILIES, get_converted, logits_in_process, worker_env
 from safetensors.torch import load_file
 
 TOL = 1e-4
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """converted(family) -> Converted (shared by every module of the session)."""
+    return lambda family: get_converted(tmp_path_factory, family)
+
 
 
 def _hf_tensors(path: Path) -> dict[str, torch.Tensor]:

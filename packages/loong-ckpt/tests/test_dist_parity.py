@@ -4,9 +4,15 @@ loaded online both give HF's logits, for every family."""
 from __future__ import annotations
 
 import pytest
-from conftest import FAMILIES, run_workers
+from ckpt_testlib import FAMILIES, get_converted, run_workers
 
 TOL = 1e-4
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """converted(family) -> Converted (shared by every module of the session)."""
+    return lambda family: get_converted(tmp_path_factory, family)
+
 
 
 @pytest.mark.dist

@@ -7,8 +7,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+from ckpt_testlib import get_converted
 
 from loong_ckpt import ConversionError, hf_to_mcore, mcore_to_hf
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """converted(family) -> Converted (shared by every module of the session)."""
+    return lambda family: get_converted(tmp_path_factory, family)
+
 
 
 def _copy(src: Path, dst: Path) -> Path:

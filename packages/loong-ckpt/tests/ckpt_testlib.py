@@ -1,5 +1,7 @@
-"""Fixtures for loong-ckpt tests: tiny random HF models per family, converted once per session,
-and a runner for parity_worker.py (one process, or two under torchrun with gloo)."""
+"""Helpers and fixtures shared by loong-ckpt's tests. Test modules import them explicitly (there is
+deliberately no conftest.py here: tests/ imports its own `conftest` by name, and two conftest
+modules collected in one run clash on that name). The root pytest config puts this folder on
+the path."""
 
 from __future__ import annotations
 
@@ -9,14 +11,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
+from hf_models import hf_logits, make_hf_model
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-
-from hf_models import hf_logits, make_hf_model  # noqa: E402
-
 FAMILIES = ("llama", "qwen2", "qwen3")
 TIED = {"qwen3"}  # one family with tied embeddings covers that path (no output_layer key)
 
@@ -59,23 +57,20 @@ def logits_in_process(source: Path, tokens: Path) -> torch.Tensor:
         return loong_logits(source, torch.load(tokens))
 
 
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory):
-    """converted(family) -> Converted: the HF model, its Loong checkpoint and reference logits."""
+_CONVERTED: dict[str, Converted] = {}
+
+
+def get_converted(tmp_path_factory, family: str) -> Converted:
+    """The family's tiny HF model, its Loong checkpoint and reference logits, made once per session."""
     from loong_ckpt import hf_to_mcore
 
-    cache: dict[str, Converted] = {}
-
-    def get(family: str) -> Converted:
-        if family not in cache:
-            base = tmp_path_factory.mktemp(family)
-            # small shards: the index / multi-file path is exercised too
-            hf = make_hf_model(base / "hf", family, tie=family in TIED, max_shard_size="200KB")
-            hf_to_mcore(hf, base / "ckpt", progress=False)
-            torch.manual_seed(0)
-            tokens = torch.randint(0, 1000, (2, 24))
-            torch.save(tokens, base / "tokens.pt")
-            cache[family] = Converted(family, hf, base / "ckpt", base / "tokens.pt", hf_logits(hf, tokens))
-        return cache[family]
-
-    return get
+    if family not in _CONVERTED:
+        base = tmp_path_factory.mktemp(family)
+        # small shards: the index / multi-file path is exercised too
+        hf = make_hf_model(base / "hf", family, tie=family in TIED, max_shard_size="200KB")
+        hf_to_mcore(hf, base / "ckpt", progress=False)
+        torch.manual_seed(0)
+        tokens = torch.randint(0, 1000, (2, 24))
+        torch.save(tokens, base / "tokens.pt")
+        _CONVERTED[family] = Converted(family, hf, base / "ckpt", base / "tokens.pt", hf_logits(hf, tokens))
+    return _CONVERTED[family]
