@@ -136,6 +136,10 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         info, _ = load_checkpoint(read_checkpoint_info(t.init_from).path, chunks)
         if is_main:
             logger.info("initialised model weights from %s", info.path)
+    if t.init_from and resumed is None:
+        # bf16 / fp16 optimizers keep fp32 main copies made when they were built: refresh them from
+        # the weights just loaded, or the first step would write the random init back (no-op in fp32).
+        optimizer.reload_model_params()
 
     n_params = f.num_parameters()
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
