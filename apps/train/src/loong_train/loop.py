@@ -3,8 +3,9 @@ to loong-parallel, every model detail to loong-models, every file format to loon
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from loong_ckpt.online import export_hf, is_hf_dir, load_hf_weights
 from loong_ckpt.training import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
 from loong_models import build_model, build_transformer_config, fusion_fields, resolve_backend
 from loong_models.packed_seq import packed_seq_params
@@ -43,6 +45,7 @@ class RunSummary:
     losses: dict[int, float] = field(default_factory=dict)
     eval_loss: float | None = None
     checkpoint: Path | None = None
+    hf_export: Path | None = None
     metrics_file: Path | None = None
     tensorboard_dir: Path | None = None
     tokens_per_s: float | None = None
@@ -134,10 +137,16 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         start_step = info.step
         if is_main:
             logger.info("resumed from %s (step %d)", info.path, start_step)
+    elif t.init_from and is_hf_dir(t.init_from):
+        load_hf_weights(t.init_from, chunks, f)
     elif t.init_from:
         info, _ = load_checkpoint(read_checkpoint_info(t.init_from).path, chunks)
         if is_main:
             logger.info("initialised model weights from %s", info.path)
+    if t.init_from and resumed is None:
+        # bf16 / fp16 optimizers keep fp32 main copies made when they were built: refresh them from
+        # the weights just loaded, or the first step would write the random init back (no-op in fp32).
+        optimizer.reload_model_params()
 
     n_params = f.num_parameters()
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
@@ -180,11 +189,20 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         metrics.write({"step": step, "split": "val", "loss": loss})
         return loss
 
+    # The model config goes with the weights: loong-convert mcore-to-hf needs nothing else.
+    ckpt_extra = {"tokens_per_step": tokens_per_step, "foundation": asdict(f)}
+    if t.init_from and is_hf_dir(t.init_from):
+        ckpt_extra["hf_config"] = json.loads((Path(t.init_from) / "config.json").read_text())
+
     def save(step: int) -> Path:
         return save_checkpoint(
             ckpt_root, step, chunks, optimizer, scheduler, rng_state=_rng_state(accel),
-            extra={"tokens_per_step": tokens_per_step}, keep_last=t.keep_last,
+            extra=ckpt_extra, keep_last=t.keep_last,
         )  # fmt: skip
+
+    def export(step: int, checkpoint: Path) -> Path:
+        tok = Path(data.tokenizer.path)
+        return export_hf(checkpoint, out_dir / "hf" / f"step_{step:08d}", tokenizer=tok if tok.is_dir() else tok.parent)
 
     bar = progress_bar(t.steps, start_step, enabled=is_main and t.progress)
     window_t0, window_tokens = time.perf_counter(), 0
@@ -223,13 +241,18 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         bar.update(1)
         if t.eval_interval and t.eval_iters and step % t.eval_interval == 0 and step != t.steps:
             evaluate(step)
-        if t.save_interval and step % t.save_interval == 0 and step != t.steps:
+        want_export = t.export_hf and t.export_hf_interval and step % t.export_hf_interval == 0
+        if (want_export or (t.save_interval and step % t.save_interval == 0)) and step != t.steps:
             summary.checkpoint = save(step)
+            if want_export:
+                summary.hf_export = export(step, summary.checkpoint)
     bar.close()
     if t.eval_iters:
         summary.eval_loss = evaluate(t.steps)
-    if t.save_final:
+    if t.save_final or t.export_hf:
         summary.checkpoint = save(t.steps)
+    if t.export_hf:
+        summary.hf_export = export(t.steps, summary.checkpoint)
     metrics.close()
     return summary
 

@@ -77,6 +77,8 @@ def _report(s) -> str:
         lines.append(f"throughput {s.tokens_per_s:,.0f} tokens/s")
     if s.checkpoint:
         lines.append(f"checkpoint   {s.checkpoint}")
+    if s.hf_export:
+        lines.append(f"hf weights   {s.hf_export}")
     lines.append(f"metrics      {s.metrics_file}")
     if s.tensorboard_dir:
         lines.append(f"tensorboard  {s.tensorboard_dir}  (tensorboard --logdir {s.tensorboard_dir})")

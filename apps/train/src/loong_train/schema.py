@@ -42,7 +42,9 @@ class TrainConfig:
     save_interval: int = 0  # 0 = save at the end only
     save_final: bool = True  # save a checkpoint when the run ends (benchmarks turn it off)
     keep_last: int = 2  # complete checkpoints kept
-    init_from: str | None = None  # a checkpoint to take the model weights from (not optimizer)
+    init_from: str | None = None  # model weights (not optimizer) from a checkpoint or an HF directory
+    export_hf: bool = False  # write HF weights (output_dir/hf/step_N) at the end ...
+    export_hf_interval: int = 0  # ... and every N steps (0 = only at the end)
     tensorboard: bool = True
     progress: bool = True
 
@@ -74,6 +76,8 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"train.dtype={t.dtype!r}; allowed: {', '.join(DTYPES)}")
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0 (0 saves the initial weights)")
+    if t.export_hf_interval < 0:
+        raise ConfigError(f"train.export_hf_interval={t.export_hf_interval} must be >= 0 (0 = at the end only)")
     for key in ("micro_batch_size", "global_batch_size", "log_interval"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")

@@ -1,0 +1,185 @@
+"""The one mapping mechanism between HF parameter names and megatron checkpoint keys.
+
+A family's mapping is a list of :class:`Rule` s. Each rule names one megatron checkpoint key (the
+key of the unwrapped GPTModel's ``sharded_state_dict()``; per-layer keys carry no layer index, the
+layer is the tensor's first axis), the HF tensor(s) it is made of (``{i}`` = layer index), a
+:class:`Transform` between the two (identity, QKV fused per KV group, gate/up fused) and how
+tensor parallelism splits it (:class:`Split`).
+
+Everything here works on one layer's tensors. Megatron distributed checkpoints store GLOBAL
+(unsharded) tensors, so the offline converter only uses ``to_mcore`` / ``to_hf``; the online
+loader uses :meth:`Rule.tp_shard` to build one tensor-parallel rank's local tensor from HF slices.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from loong_models import FoundationConfig
+
+LAYER = "{i}"
+
+
+class Split(enum.Enum):
+    """How megatron's tensor parallelism splits a parameter."""
+
+    COLUMN = 0  # output features (dim 0): QKV, fc1
+    ROW = 1  # input features (dim 1): attention output projection, fc2
+    REPLICATED = None  # every rank holds all of it: norms
+    VOCAB = "vocab"  # dim 0, after padding the vocabulary to FoundationConfig.padded_vocab_size
+
+    @property
+    def dim(self) -> int | None:
+        return 0 if self is Split.VOCAB else self.value
+
+
+@dataclass(frozen=True)
+class Transform:
+    """HF tensors <-> one megatron tensor. ``groups`` is the number of KV groups the tensors hold
+    (all of them offline; a tensor-parallel rank's share online)."""
+
+    name: str
+    fuse: Callable[[Sequence[torch.Tensor], FoundationConfig, int], torch.Tensor]
+    unfuse: Callable[[torch.Tensor, FoundationConfig, int], list[torch.Tensor]]
+    hf_rows: Callable[[int, FoundationConfig, int], list[int]]  # rows of each HF tensor for mcore rows
+
+
+def _identity() -> Transform:
+    return Transform("identity", lambda ts, c, g: ts[0], lambda t, c, g: [t], lambda rows, c, g: [rows])
+
+
+def _qkv_sizes(c: FoundationConfig, groups: int) -> tuple[int, int]:
+    q_per_group = c.num_attention_heads // c.query_groups
+    return q_per_group * c.head_dim, c.head_dim
+
+
+def _qkv_fuse(ts: Sequence[torch.Tensor], c: FoundationConfig, groups: int) -> torch.Tensor:
+    q, k, v = ts
+    rest = q.shape[1:]
+    qg, kg = _qkv_sizes(c, groups)
+    # megatron's layout: [groups, (q_per_group + 2) * head_dim, ...] = per group its queries, key, value
+    parts = [q.reshape(groups, qg, *rest), k.reshape(groups, kg, *rest), v.reshape(groups, kg, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _qkv_unfuse(t: torch.Tensor, c: FoundationConfig, groups: int) -> list[torch.Tensor]:
+    rest = t.shape[1:]
+    qg, kg = _qkv_sizes(c, groups)
+    q, k, v = t.reshape(groups, qg + 2 * kg, *rest).split([qg, kg, kg], dim=1)
+    return [x.reshape(-1, *rest).contiguous() for x in (q, k, v)]
+
+
+def _qkv_rows(rows: int, c: FoundationConfig, groups: int) -> list[int]:
+    qg, kg = _qkv_sizes(c, groups)
+    return [groups * qg, groups * kg, groups * kg]
+
+
+def _concat(n: int) -> Transform:
+    return Transform(
+        f"concat{n}",
+        lambda ts, c, g: torch.cat(list(ts), dim=0),
+        lambda t, c, g: [x.contiguous() for x in t.chunk(n, dim=0)],
+        lambda rows, c, g: [rows // n] * n,
+    )
+
+
+IDENTITY = _identity()
+QKV = Transform("qkv", _qkv_fuse, _qkv_unfuse, _qkv_rows)  # q, k, v fused per KV group (GQA)
+GATE_UP = _concat(2)  # SwiGLU: fc1 = [gate; up]
+
+
+@dataclass(frozen=True)
+class Rule:
+    mcore: str  # megatron checkpoint key
+    hf: tuple[str, ...]  # HF tensor names; LAYER ("{i}") marks per-layer tensors
+    split: Split
+    transform: Transform = IDENTITY
+    # Whether a model of this config has the tensor (e.g. no output layer with tied embeddings).
+    when: Callable[[FoundationConfig], bool] | None = None
+
+    def applies(self, cfg: FoundationConfig) -> bool:
+        return self.when is None or self.when(cfg)
+
+    def __post_init__(self) -> None:
+        if len(self.hf) != {"qkv": 3, "concat2": 2}.get(self.transform.name, 1):
+            raise ValueError(f"rule {self.mcore}: transform {self.transform.name} does not take {len(self.hf)} tensors")
+
+    @property
+    def layered(self) -> bool:
+        return LAYER in self.hf[0]
+
+    def hf_names(self, layer: int | None) -> list[str]:
+        return [n.replace(LAYER, str(layer)) for n in self.hf] if self.layered else list(self.hf)
+
+    # --- whole (global) tensors: the offline converter -------------------------------------
+
+    def hf_shapes(self, mcore_shape: Sequence[int], cfg: FoundationConfig) -> list[tuple[int, ...]]:
+        """The HF shapes that make a (one-layer) megatron tensor of ``mcore_shape``."""
+        rows, rest = mcore_shape[0], tuple(mcore_shape[1:])
+        if self.split is Split.VOCAB:
+            rows = cfg.vocab_size
+        return [(r, *rest) for r in self.transform.hf_rows(rows, cfg, cfg.query_groups)]
+
+    def to_mcore(self, hf: Sequence[torch.Tensor], cfg: FoundationConfig, padded_vocab: int) -> torch.Tensor:
+        t = self.transform.fuse(hf, cfg, cfg.query_groups)
+        if self.split is Split.VOCAB and t.shape[0] < padded_vocab:
+            t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
+        return t
+
+    def to_hf(self, t: torch.Tensor, cfg: FoundationConfig) -> list[torch.Tensor]:
+        if self.split is Split.VOCAB:
+            t = t[: cfg.vocab_size]
+        return self.transform.unfuse(t, cfg, cfg.query_groups)
+
+    # --- one tensor-parallel rank's share: the online loader -------------------------------
+
+    def tp_shard(
+        self,
+        reader: SliceReader,
+        layer: int | None,
+        cfg: FoundationConfig,
+        tp_rank: int,
+        tp_size: int,
+        padded_vocab: int,
+    ) -> torch.Tensor:
+        """This rank's local tensor, reading only the HF slices it needs."""
+        names = self.hf_names(layer)
+        dim = self.split.dim
+        if dim is None or (tp_size == 1 and self.split is not Split.VOCAB):
+            return self.to_mcore([reader.read(n) for n in names], cfg, padded_vocab)
+        if self.split is Split.VOCAB:
+            per_rank = padded_vocab // tp_size
+            start = min(tp_rank * per_rank, cfg.vocab_size)
+            t = reader.read(names[0], 0, start, min(start + per_rank, cfg.vocab_size))
+            if t.shape[0] < per_rank:
+                t = torch.cat([t, t.new_zeros(per_rank - t.shape[0], *t.shape[1:])])
+            return t
+        parts = []
+        for n in names:  # each HF tensor contributes its rank-th block along the split dim
+            per = reader.shape(n)[dim] // tp_size
+            parts.append(reader.read(n, dim, tp_rank * per, (tp_rank + 1) * per))
+        return self.transform.fuse(parts, cfg, cfg.query_groups // tp_size)
+
+
+class SliceReader(Protocol):
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """HF tensor ``name``, or its ``[start, stop)`` range along ``dim``."""
+        ...
+
+
+@dataclass(frozen=True)
+class FamilyMapping:
+    """All rules of one family (registered against loong_models' family names)."""
+
+    family: str
+    rules: tuple[Rule, ...]
+
+    def by_mcore_key(self) -> dict[str, Rule]:
+        return {r.mcore: r for r in self.rules}

@@ -1,0 +1,92 @@
+"""Online HF I/O for a running job: load HF weights straight into model chunks, export HF weights.
+
+Loading: every rank walks its own chunks' ``sharded_state_dict()`` (so only its pipeline stage's
+layers), finds each key's rule and reads only the slices its tensor-parallel rank holds
+(``safetensors`` ``get_slice``), then copies them into the parameters.
+
+Exporting: the job's megatron checkpoint already holds global tensors, so rank 0 converts the
+checkpoint just saved (streaming, bounded memory) while the other ranks wait; no weights are
+gathered through the process group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loong_ckpt.families import get_mapping
+from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture
+from loong_ckpt.hf_io import CONFIG_FILE, HFReader, is_hf_dir
+from loong_ckpt.log import logger
+from loong_ckpt.training import _unwrap
+from loong_models import FoundationConfig
+
+__all__ = ["export_hf", "is_hf_dir", "load_hf_weights", "read_hf_foundation"]
+
+
+def read_hf_foundation(path: str | Path) -> FoundationConfig:
+    """The foundation config of an HF directory (from its config.json)."""
+    reader_cfg = HFReader.read_config(Path(path))
+    return from_hf_config(reader_cfg, str(Path(path) / CONFIG_FILE))
+
+
+def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: FoundationConfig) -> int:
+    """Load an HF directory's weights into this rank's model ``chunks`` (built for ``cfg``).
+    Returns the number of parameters tensors loaded."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    reader = HFReader(path)
+    hf_cfg = from_hf_config(reader.config, str(Path(path) / CONFIG_FILE))
+    if not same_architecture(hf_cfg, cfg):
+        raise ConversionError(
+            f"{Path(path) / CONFIG_FILE} describes a different model than model.foundation: "
+            f"{_diff(hf_cfg, cfg)}"
+        )
+    rules = get_mapping(cfg.family).by_mcore_key()
+    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    padded = cfg.padded_vocab_size(tp_size)
+    loaded = 0
+    for chunk in chunks:
+        for name, entry in _unwrap(chunk).sharded_state_dict().items():
+            if isinstance(entry, ShardedObject):
+                continue
+            data = entry.data
+            sh = entry.build()[0] if isinstance(entry, ShardedTensorFactory) else entry
+            rule = rules.get(sh.key)
+            if rule is None:
+                raise ConversionError(f"family {cfg.family}: no mapping rule for megatron key {sh.key} ({name})")
+            layer = sh.global_offset[0] if rule.layered else None
+            local = rule.tp_shard(reader, layer, cfg, tp_rank, tp_size, padded)
+            if local.shape != data.shape:
+                raise ConversionError(
+                    f"{path}: {', '.join(rule.hf_names(layer))} give {tuple(local.shape)} for {name}, "
+                    f"the model holds {tuple(data.shape)} on this rank"
+                )
+            with torch.no_grad():
+                data.copy_(local)
+            loaded += 1
+    logger.info("loaded %d tensors from HF directory %s", loaded, path)
+    return loaded
+
+
+def _diff(a: FoundationConfig, b: FoundationConfig) -> str:
+    from loong_ckpt.hf_config import ARCH_FIELDS
+
+    diffs = [f"{k}: {getattr(a, k)!r} (HF) != {getattr(b, k)!r}" for k in ARCH_FIELDS if getattr(a, k) != getattr(b, k)]
+    return "; ".join(diffs) or "head_dim / KV groups differ"
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None) -> Path:
+    """Collective: rank 0 writes an HF directory from a just-saved checkpoint; all ranks wait."""
+    from loong_ckpt.convert import mcore_to_hf
+
+    out = Path(out)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        mcore_to_hf(checkpoint, out, tokenizer=tokenizer, force=True, progress=False)
+        logger.info("exported HF weights to %s", out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out

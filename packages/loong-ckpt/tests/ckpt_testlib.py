@@ -1,0 +1,76 @@
+"""Helpers and fixtures shared by loong-ckpt's tests. Test modules import them explicitly (there is
+deliberately no conftest.py here: tests/ imports its own `conftest` by name, and two conftest
+modules collected in one run clash on that name). The root pytest config puts this folder on
+the path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hf_models import hf_logits, make_hf_model
+
+HERE = Path(__file__).parent
+FAMILIES = ("llama", "qwen2", "qwen3")
+TIED = {"qwen3"}  # one family with tied embeddings covers that path (no output_layer key)
+
+
+@dataclass
+class Converted:
+    family: str
+    hf: Path
+    ckpt: Path
+    tokens: Path
+    ref: torch.Tensor  # HF logits for the tokens
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ, LOONG_DEVICE="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def run_workers(jobs: list[tuple[Path, Path, Path]], *, tp: int, pp: int) -> list[torch.Tensor]:
+    """Loong logits of each (source, tokens, out) job at TP x PP, in one torchrun launch."""
+    script = [str(HERE / "parity_worker.py"), "--tp", str(tp), "--pp", str(pp)]
+    script += [str(x) for job in jobs for x in job]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}"]
+    proc = subprocess.run([*launcher, *script], env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(out) for _, _, out in jobs]
+
+
+def logits_in_process(source: Path, tokens: Path) -> torch.Tensor:
+    """Loong logits at TP = PP = 1 in this process (a world of one, torn down afterwards)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from parity_worker import loong_logits
+
+    from loong_ckpt.mcore_io import _single_process_megatron
+
+    with _single_process_megatron():
+        model_parallel_cuda_manual_seed(0)
+        return loong_logits(source, torch.load(tokens))
+
+
+_CONVERTED: dict[str, Converted] = {}
+
+
+def get_converted(tmp_path_factory, family: str) -> Converted:
+    """The family's tiny HF model, its Loong checkpoint and reference logits, made once per session."""
+    from loong_ckpt import hf_to_mcore
+
+    if family not in _CONVERTED:
+        base = tmp_path_factory.mktemp(family)
+        # small shards: the index / multi-file path is exercised too
+        hf = make_hf_model(base / "hf", family, tie=family in TIED, max_shard_size="200KB")
+        hf_to_mcore(hf, base / "ckpt", progress=False)
+        torch.manual_seed(0)
+        tokens = torch.randint(0, 1000, (2, 24))
+        torch.save(tokens, base / "tokens.pt")
+        _CONVERTED[family] = Converted(family, hf, base / "ckpt", base / "tokens.pt", hf_logits(hf, tokens))
+    return _CONVERTED[family]

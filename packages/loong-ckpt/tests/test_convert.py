@@ -1,0 +1,156 @@
+"""Offline conversion: logits parity with HF, round trip, CLI, layout recording."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_testlib import FAMILIES, get_converted, logits_in_process, worker_env
+from safetensors.torch import load_file
+
+TOL = 1e-4
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """converted(family) -> Converted (shared by every module of the session)."""
+    return lambda family: get_converted(tmp_path_factory, family)
+
+
+
+def _hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_hf_tp1(family, converted):
+    c = converted(family)
+    logits = logits_in_process(c.ckpt, c.tokens)
+    assert logits.shape == c.ref.shape
+    assert (logits - c.ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_online_hf_load_matches_hf_tp1(family, converted):
+    c = converted(family)
+    online = logits_in_process(c.hf, c.tokens)
+    assert (online - c.ref).abs().max().item() <= TOL
+    assert torch.equal(online, logits_in_process(c.ckpt, c.tokens))  # same weights as the offline path
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_is_bit_identical(family, converted, tmp_path):
+    from loong_ckpt import mcore_to_hf
+
+    c = converted(family)
+    out = tmp_path / "hf"
+    mcore_to_hf(c.ckpt, out, progress=False)
+    a, b = _hf_tensors(c.hf), _hf_tensors(out)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert json.loads((out / "config.json").read_text()) == json.loads((c.hf / "config.json").read_text())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(b)
+
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model(torch.load(c.tokens)).logits, c.ref)
+
+
+def test_generated_config_loads_in_transformers(converted, tmp_path):
+    """Without the source config.json (a checkpoint trained in Loong), config.json is generated
+    from the foundation config; transformers must read the same architecture back."""
+    import transformers
+
+    from loong_ckpt import mcore_to_hf
+
+    c = converted("llama")
+    meta = json.loads((c.ckpt / "loong.json").read_text())
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in c.ckpt.iterdir():
+        if f.is_file():
+            (ckpt / f.name).write_bytes(f.read_bytes())
+    del meta["hf_config"]
+    (ckpt / "loong.json").write_text(json.dumps(meta))
+    mcore_to_hf(ckpt, tmp_path / "hf", progress=False, max_shard_bytes=100_000)
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    src = transformers.AutoConfig.from_pretrained(c.hf)
+    got = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(got, key) == getattr(src, key), key
+    assert got.rope_parameters["rope_theta"] == src.rope_parameters["rope_theta"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model(torch.load(c.tokens)).logits, c.ref)
+
+
+def test_checkpoint_metadata_and_yaml(converted):
+    c = converted("qwen3")
+    meta = json.loads((c.ckpt / "loong.json").read_text())
+    assert meta["foundation"]["family"] == "qwen3" and meta["foundation"]["tie_word_embeddings"] is True
+    assert meta["target_layout"] == {"tp": 1, "pp": 1}
+    assert (c.ckpt / "metadata.json").is_file()
+    name = meta["model_name"]
+    assert (c.ckpt / "configs" / "model" / f"{name}.yaml").is_file()
+    found = (c.ckpt / "configs" / "model" / "foundation" / f"{name}.yaml").read_text()
+    assert "family: qwen3" in found and "kv_channels: 16" in found
+
+
+def test_megatron_reads_same_keys_as_training_checkpoints(converted):
+    """The converted checkpoint holds exactly the tensor keys the model's sharded_state_dict names."""
+    from loong_ckpt.hf_config import foundation_from_dict
+    from loong_ckpt.mcore_io import model_template, read_metadata
+
+    c = converted("qwen2")
+    cfg = foundation_from_dict(json.loads((c.ckpt / "loong.json").read_text())["foundation"])
+    stored = read_metadata(c.ckpt)
+    template = model_template(cfg)
+    assert set(stored) == set(template.tensors)
+    assert {k: tuple(v.size) for k, v in stored.items()} == template.tensors
+
+
+def test_cli_round_trip_with_layout(converted, tmp_path, capsys):
+    from loong_ckpt.cli import main
+
+    c = converted("llama")
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    assert main(["hf-to-mcore", str(c.hf), str(ckpt), "--tp", "2", "--pp", "2", "--no-progress", "--name", "tiny-llama"]) == 0
+    out = capsys.readouterr().out
+    assert f"model=tiny-llama train.init_from={ckpt}" in out and "parallel.tp=2 parallel.pp=2" in out
+    assert json.loads((ckpt / "loong.json").read_text())["target_layout"] == {"tp": 2, "pp": 2}
+    assert main(["mcore-to-hf", str(ckpt), str(hf), "--no-progress"]) == 0
+    a, b = _hf_tensors(c.hf), _hf_tensors(hf)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["hf-to-mcore", str(c.hf), str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "output directory" in err and "--force" in err
+    assert main(["hf-to-mcore", str(c.hf), str(tmp_path / "x"), "--tp", "3"]) == 2
+    assert "--tp=3" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_entry_point():
+    """The console script is installed and answers without importing megatron first."""
+    p = subprocess.run(["loong-convert", "--help"], capture_output=True, text=True, env=worker_env())
+    assert p.returncode == 0 and "hf-to-mcore" in p.stdout and "mcore-to-hf" in p.stdout
+
+
+def test_bf16_output(converted, tmp_path):
+    from loong_ckpt import hf_to_mcore, mcore_to_hf
+
+    c = converted("llama")
+    hf_to_mcore(c.hf, tmp_path / "ckpt", dtype="bf16", progress=False)
+    mcore_to_hf(tmp_path / "ckpt", tmp_path / "hf", progress=False)
+    a, b = _hf_tensors(c.hf), _hf_tensors(tmp_path / "hf")
+    for k in a:
+        assert b[k].dtype == torch.bfloat16 and torch.equal(b[k], a[k].to(torch.bfloat16)), k

@@ -1,0 +1,156 @@
+"""Bad input: a clear error naming the file or key, and never an output that looks complete."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from ckpt_testlib import get_converted
+
+from loong_ckpt import ConversionError, hf_to_mcore, mcore_to_hf
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """converted(family) -> Converted (shared by every module of the session)."""
+    return lambda family: get_converted(tmp_path_factory, family)
+
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _nothing_left(out: Path) -> None:
+    assert not out.exists(), f"{out} left behind"
+    assert not out.with_name(out.name + ".partial").exists()
+
+
+def test_missing_shard(converted, tmp_path):
+    hf = _copy(converted("llama").hf, tmp_path / "hf")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (hf / shard).unlink()
+    with pytest.raises(ConversionError, match=f"shard {shard} is listed") as e:
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+    assert "model.safetensors.index.json" in str(e.value)
+    _nothing_left(tmp_path / "out")
+
+
+def test_config_does_not_match_weights(converted, tmp_path):
+    hf = _copy(converted("qwen2").hf, tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match="does not match the weights") as e:
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+    msg = str(e.value)
+    assert "model.layers.0.mlp.gate_proj.weight" in msg and "(128, 64)" in msg and "(96, 64)" in msg
+    _nothing_left(tmp_path / "out")
+
+
+def test_missing_tensor(converted, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = _copy(converted("qwen3").hf, tmp_path / "hf")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.self_attn.k_norm.weight"
+    shard = hf / index["weight_map"][name]
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=f"tensor {name}"):
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+    _nothing_left(tmp_path / "out")
+
+
+def test_unsupported_architecture(converted, tmp_path):
+    hf = _copy(converted("llama").hf, tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["MistralForCausalLM"], "mistral"
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match="MistralForCausalLM") as e:
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in str(e.value)
+    _nothing_left(tmp_path / "out")
+
+
+def test_unsupported_feature_names_the_key(converted, tmp_path):
+    hf = _copy(converted("llama").hf, tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match="hidden_act='gelu'"):
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+
+
+def test_non_empty_output_needs_force(converted, tmp_path):
+    c = converted("llama")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="not empty; pass --force"):
+        hf_to_mcore(c.hf, out, progress=False)
+    with pytest.raises(ConversionError, match="not empty; pass --force"):
+        mcore_to_hf(c.ckpt, out, progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+    hf_to_mcore(c.hf, out, progress=False, force=True)
+    assert (out / "loong.json").is_file() and not (out / "keep.txt").exists()
+
+
+@pytest.mark.parametrize("direction", ["hf-to-mcore", "mcore-to-hf"])
+def test_failure_mid_write_leaves_nothing_complete(direction, converted, tmp_path, monkeypatch):
+    """A crash after some tensors are written: no output dir, no partial dir, and an existing
+    output (replaced with --force) stays intact."""
+    from loong_ckpt import hf_io, mcore_io
+
+    c = converted("llama")
+    calls = {"n": 0}
+    if direction == "hf-to-mcore":
+        orig = hf_io.HFReader.read
+
+        def boom(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] > 5:
+                raise OSError("disk on fire")
+            return orig(self, *a, **k)
+
+        monkeypatch.setattr(hf_io.HFReader, "read", boom)
+        run = lambda out, **kw: hf_to_mcore(c.hf, out, progress=False, **kw)  # noqa: E731
+    else:
+        orig = mcore_io.read_regions
+
+        def boom(*a, **k):
+            calls["n"] += 1
+            if calls["n"] > 1:
+                raise OSError("disk on fire")
+            return orig(*a, **k)
+
+        monkeypatch.setattr("loong_ckpt.convert.read_regions", boom)
+        run = lambda out, **kw: mcore_to_hf(c.ckpt, out, progress=False, **kw)  # noqa: E731
+    with pytest.raises(OSError, match="disk on fire"):
+        run(tmp_path / "out")
+    _nothing_left(tmp_path / "out")
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "old.txt").write_text("old")
+    calls["n"] = 0
+    with pytest.raises(OSError, match="disk on fire"):
+        run(existing, force=True)
+    assert (existing / "old.txt").read_text() == "old"
+    assert not existing.with_name("existing.partial").exists()
+
+
+def test_partial_or_foreign_checkpoint(converted, tmp_path):
+    partial = _copy(converted("llama").ckpt, tmp_path / "step_00000010.partial")
+    with pytest.raises(ConversionError, match="incomplete checkpoint"):
+        mcore_to_hf(partial, tmp_path / "out", progress=False)
+    bare = _copy(converted("llama").ckpt, tmp_path / "bare")
+    (bare / "loong.json").unlink()
+    with pytest.raises(ConversionError, match="--model-yaml"):
+        mcore_to_hf(bare, tmp_path / "out", progress=False)
+    _nothing_left(tmp_path / "out")

@@ -1,0 +1,89 @@
+"""The mapping mechanism: transforms invert, TP shards assemble into the global tensor, and every
+loong_models family with an HF architecture has a declaration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loong_ckpt.families import MAPPINGS, get_mapping
+from loong_ckpt.mapping import GATE_UP, QKV, Rule, Split
+from loong_models import FAMILIES, FoundationConfig
+
+CFG = FoundationConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
+                       num_query_groups=4, kv_channels=4, vocab_size=100, make_vocab_size_divisible_by=16)  # fmt: skip
+
+
+class DictReader:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name, dim=None, start=0, stop=None):
+        t = self.tensors[name]
+        return t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
+
+
+def test_every_family_has_a_mapping():
+    assert set(MAPPINGS) == set(FAMILIES)
+    with pytest.raises(ValueError, match="families with one: llama, qwen2, qwen3"):
+        get_mapping("mamba")
+
+
+def test_qkv_layout_is_megatrons():
+    """Per KV group: its q heads, then its k head, then its v head."""
+    d, h = CFG.head_dim, CFG.hidden_size
+    q = torch.arange(8 * d).repeat_interleave(h).reshape(8 * d, h).float()
+    k, v = -1 - torch.arange(4 * d).float()[:, None].expand(4 * d, h), 1000 + torch.arange(4 * d).float()[:, None].expand(4 * d, h)
+    fused = QKV.fuse([q, k, v], CFG, 4)
+    group0 = fused[: 4 * d, 0]
+    assert torch.equal(group0[: 2 * d], q[: 2 * d, 0]) and torch.equal(group0[2 * d : 3 * d], k[:d, 0])
+    assert torch.equal(group0[3 * d :], v[:d, 0])
+    assert all(torch.equal(a, b) for a, b in zip(QKV.unfuse(fused, CFG, 4), (q, k, v)))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("family", sorted(MAPPINGS))
+def test_tp_shards_assemble_the_global_tensor(family, tp):
+    """Concatenating every rank's shard along the split dim gives the global megatron tensor
+    (which is what megatron checkpoints store), for every rule of every family."""
+    torch.manual_seed(0)
+    padded = CFG.padded_vocab_size(tp)
+    for rule in get_mapping(family).rules:
+        layer = 0 if rule.layered else None
+        shapes = {
+            "embedding.word_embeddings.weight": (padded, 32), "output_layer.weight": (padded, 32),
+        }  # fmt: skip
+        layer_shape = shapes.get(rule.mcore) or _mcore_shape(rule)
+        hf = {n: torch.randn(s) for n, s in zip(rule.hf_names(layer), rule.hf_shapes(layer_shape, CFG))}
+        whole = rule.to_mcore(list(hf.values()), CFG, padded)
+        assert tuple(whole.shape) == tuple(layer_shape), rule.mcore
+        shards = [rule.tp_shard(DictReader(hf), layer, CFG, r, tp, padded) for r in range(tp)]
+        if rule.split is Split.REPLICATED:
+            assert all(torch.equal(s, whole) for s in shards)
+        elif rule.transform is GATE_UP:  # megatron's fc1 global layout: [gate(all ranks); up(all ranks)]
+            gates = [s.chunk(2)[0] for s in shards]
+            ups = [s.chunk(2)[1] for s in shards]
+            assert torch.equal(torch.cat(gates + ups), whole)
+        else:
+            assert torch.equal(torch.cat(shards, dim=rule.split.dim), whole), rule.mcore
+        back = rule.to_hf(whole, CFG)
+        assert all(torch.equal(a, b) for a, b in zip(back, hf.values()))
+
+
+def _mcore_shape(rule: Rule) -> tuple[int, ...]:
+    h, f, d = CFG.hidden_size, CFG.ffn_hidden_size, CFG.head_dim
+    qkv = (CFG.num_attention_heads + 2 * CFG.query_groups) * d
+    shapes = {
+        "linear_qkv.weight": (qkv, h), "linear_qkv.bias": (qkv,), "linear_proj.weight": (h, CFG.num_attention_heads * d),
+        "linear_fc1.weight": (2 * f, h), "linear_fc2.weight": (h, f), "layer_norm_weight": (h,),
+        "q_layernorm.weight": (d,), "k_layernorm.weight": (d,), "final_layernorm.weight": (h,),
+    }  # fmt: skip
+    return next(v for k, v in shapes.items() if rule.mcore.endswith(k))
+
+
+def test_rule_arity_is_checked():
+    with pytest.raises(ValueError, match="does not take 2 tensors"):
+        Rule("x", ("a", "b"), Split.COLUMN, QKV)
