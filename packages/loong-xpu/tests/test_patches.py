@@ -56,3 +56,39 @@ def test_patching_twice_is_refused_and_leaves_nothing_half_done():
 def test_cuda_backend_patches_nothing():
     patches = apply_patches(get_accelerator("cuda"))
     assert patches.applied == []
+
+
+def test_megatron_optimizer_kernels_are_host_ones_on_redirected_devices(monkeypatch):
+    """With TE installed megatron binds TE's CUDA-only optimizer kernels at import (they crash on
+    host tensors). Stand those bindings in with markers, as on a TE machine, and check the redirect
+    swaps in megatron's host implementations and restores the bindings afterwards."""
+    import megatron.core.optimizer as megatron_optimizer
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    def cuda_only(*args, **kwargs):
+        raise AssertionError("a CUDA-only kernel ran on the host")
+
+    bindings = {
+        (megatron_optimizer, "USING_PYTORCH_OPTIMIZER"): False,
+        (megatron_optimizer, "Adam"): cuda_only,
+        (clip_grads, "multi_tensor_applier"): cuda_only,
+        (clip_grads, "l2_norm_impl"): cuda_only,
+        (clip_grads, "multi_tensor_scale_impl"): cuda_only,
+        (optimizer, "multi_tensor_applier"): cuda_only,
+        (optimizer, "multi_tensor_scale_impl"): cuda_only,
+    }
+    for (module, name), value in bindings.items():
+        monkeypatch.setattr(module, name, value)
+    with redirect_cuda(get_accelerator("cpu")):
+        assert megatron_optimizer.USING_PYTORCH_OPTIMIZER is True
+        assert megatron_optimizer.Adam is torch.optim.AdamW
+        assert clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier
+        assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+        assert optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale
+        # and megatron's norm computation now runs on host tensors
+        grads = [torch.ones(3), torch.ones(4)]
+        norm = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, torch.zeros(1, dtype=torch.int), [grads], False)[0]
+        assert torch.allclose(norm, torch.tensor(7.0).sqrt())
+    for (module, name), value in bindings.items():
+        assert getattr(module, name) is value

@@ -32,7 +32,6 @@ class Patch:
     target: str
     reason: str
     make: Callable[[Accelerator], object]
-    optional: bool = False  # the target may not exist in this version (then it is skipped)
 
 
 def _is_cuda(device: object) -> bool:
@@ -67,6 +66,12 @@ class _DeviceRedirectMode(TorchFunctionMode):
         elif func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], self.target, *args[2:])
         return func(*args, **kwargs)
+
+
+def _megatron_util(name: str):
+    from megatron.core import utils
+
+    return getattr(utils, name)
 
 
 def _rng_state_of(accel: Accelerator):
@@ -155,6 +160,53 @@ MANIFEST: tuple[Patch, ...] = (
         "megatron releases cached memory after checkpoint loads and in memory reports",
         lambda a: lambda: a.empty_cache(),
     ),
+    # megatron binds Transformer Engine's / apex's CUDA-only optimizer kernels at import when
+    # either is installed; on any other device its own host implementations must run instead.
+    Patch(
+        "megatron.core.optimizer:USING_PYTORCH_OPTIMIZER",
+        "with TE installed, megatron builds TE's CUDA FusedAdam/FusedSGD; True selects torch's optimizers",
+        lambda a: True,
+    ),
+    Patch(
+        "megatron.core.optimizer:Adam",
+        "the optimizer class megatron instantiates for 'adam' (TE's FusedAdam when TE is installed)",
+        lambda a: torch.optim.AdamW,
+    ),
+    Patch(
+        "megatron.core.optimizer:SGD",
+        "the optimizer class megatron instantiates for 'sgd' (TE's FusedSGD when TE is installed)",
+        lambda a: torch.optim.SGD,
+    ),
+    Patch(
+        "megatron.core.optimizer.clip_grads:multi_tensor_applier",
+        "gradient-norm clipping applies TE's CUDA multi-tensor kernels when TE is installed",
+        lambda a: _megatron_util("local_multi_tensor_applier"),
+    ),
+    Patch(
+        "megatron.core.optimizer.clip_grads:l2_norm_impl",
+        "the gradient L2 norm kernel (TE's multi_tensor_l2norm when TE is installed)",
+        lambda a: _megatron_util("local_multi_tensor_l2_norm"),
+    ),
+    Patch(
+        "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
+        "the gradient scaling kernel used by clipping (TE's multi_tensor_scale when TE is installed)",
+        lambda a: _megatron_util("local_multi_tensor_scale"),
+    ),
+    Patch(
+        "megatron.core.optimizer.clip_grads:multi_tensor_scale_tensor_impl",
+        "TE's tensor-scaled variant has no host implementation: None makes megatron scale by a float",
+        lambda a: None,
+    ),
+    Patch(
+        "megatron.core.optimizer.optimizer:multi_tensor_applier",
+        "master-weight and grad copies in mixed-precision optimizers use TE's CUDA multi-tensor kernels",
+        lambda a: _megatron_util("local_multi_tensor_applier"),
+    ),
+    Patch(
+        "megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
+        "the copy/scale kernel of mixed-precision optimizers (TE's multi_tensor_scale when TE is installed)",
+        lambda a: _megatron_util("local_multi_tensor_scale"),
+    ),
     Patch(
         "torch.cuda:memory_allocated",
         "megatron's memory reports read CUDA allocator statistics",
@@ -219,15 +271,16 @@ def _apply_all(accel: Accelerator, patches: PatchSet) -> None:
         try:
             owner, attr = _resolve(patch.target)
         except ImportError:
-            if patch.optional:
-                continue
+            if patch.target.startswith("megatron."):
+                continue  # loong-xpu works without megatron-core; its patches apply where it is installed
             raise
         marker = f"_loong_original_{attr}"  # holds the original; its presence means "patched"
         if hasattr(owner, marker):
             raise RuntimeError(f"{patch.target} is already patched: remove the other PatchSet first")
         original = getattr(owner, attr)
         replacement = patch.make(accel)
-        if isinstance(replacement, types.FunctionType):
+        if isinstance(replacement, types.FunctionType) and replacement.__module__ == __name__:
+            # only our own closures take the original's name and doc; never mutate megatron's functions
             replacement = functools.wraps(original)(replacement)
         setattr(owner, marker, original)
         setattr(owner, attr, replacement)
