@@ -81,3 +81,16 @@ def test_tilelang_shape_predicates_accept_deepseek_v32_shapes():
     # and refuse what the kernels cannot do
     assert not sparse_mla.supports(torch.empty(n, 20, 576, dtype=bf), kv, idx, 512, 0.1)
     assert not sparse_mla.supports(q, kv, idx, 576, 0.1)  # no RoPE tail
+
+
+def test_sparse_mla_refuses_shapes_whose_gemms_cannot_be_split_over_the_warps():
+    """16 heads with a 16-wide RoPE tail: TileLang cannot give each of 4 warps a 16x8 tile of the
+    16x16 tail GEMM, so the reference must run (a GPU run hit the compile error before this check)."""
+    from loong_kernels.tl import sparse_mla
+
+    q = torch.empty(8, 16, 64 + 16, dtype=torch.bfloat16)
+    kv = torch.empty(8, 64 + 16, dtype=torch.bfloat16)
+    assert not sparse_mla.supports(q, kv, None, 64, 1.0)
+    q32 = torch.empty(8, 16, 64 + 32, dtype=torch.bfloat16)
+    kv32 = torch.empty(8, 64 + 32, dtype=torch.bfloat16)
+    assert sparse_mla.supports(q32, kv32, None, 64, 1.0)

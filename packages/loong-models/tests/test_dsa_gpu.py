@@ -53,7 +53,8 @@ def megatron_cuda():
 
 
 def _attention(topk: int):
-    f = load_model_config("deepseek-v32-tiny").foundation
+    # RoPE 32: TileLang's sparse-MLA kernels cannot split the 16-head x 16-wide tail GEMM over 4 warps
+    f = load_model_config("deepseek-v32-tiny", ["foundation.mla.qk_pos_emb_head_dim=32"]).foundation
     f.sparse_attention.index_topk = topk
     config = build_transformer_config(
         f, params_dtype=torch.bfloat16, bf16=True, calculate_per_token_loss=True, use_cpu_initialization=True

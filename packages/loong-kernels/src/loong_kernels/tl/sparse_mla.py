@@ -30,11 +30,19 @@ def _threads(head_block: int) -> int:
     return 256 if head_block >= 64 else 128
 
 
+def _warps_fit(rows: int, cols: int, head_block: int) -> bool:
+    """TileLang splits a GEMM's [rows, cols] output over the warps in 16 x 8 tiles: there must be
+    at least one tile per warp (a 16-head block with a 16-wide RoPE tail fails to compile)."""
+    return (rows // 16) * (cols // 8) >= _threads(head_block) // 32
+
+
 def _shapes_ok(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     heads, d_qk = q.shape[1], q.shape[2]
     tail = d_qk - d_v
     heads_ok = heads % 16 == 0 and (heads <= 64 or heads % 64 == 0)
-    return heads_ok and d_v % 64 == 0 and tail > 0 and tail % 16 == 0 and kv.dtype == q.dtype
+    dims_ok = d_v % 64 == 0 and tail > 0 and tail % 16 == 0
+    bh = _head_block(heads)
+    return heads_ok and dims_ok and _warps_fit(bh, tail, bh) and kv.dtype == q.dtype
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, scale: float) -> bool:
