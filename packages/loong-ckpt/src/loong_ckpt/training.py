@@ -201,6 +201,34 @@ def save_checkpoint(
     return final
 
 
+_EXTRA_STATE = "_extra_state"
+
+
+def _drop_absent_extra_state(template: dict[str, Any], path: Path) -> bool:
+    """Transformer Engine modules carry an ``_extra_state`` (FP8 scaling metadata) that the local
+    spec's modules do not have. A checkpoint written with one spec must load into the other (CPU
+    runs use the local spec, GPU runs TE), so extra states the checkpoint lacks are left out of
+    the load and start fresh. Returns whether any was left out."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint import FileSystemReader
+
+    # torch.distributed.checkpoint stores a sharded object as "<key>/shard_<offset>_<count>"
+    present = {k.split("/")[0] for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    dropped = False
+
+    def visit(node: dict) -> None:
+        nonlocal dropped
+        for key, value in list(node.items()):
+            if isinstance(value, dict):
+                visit(value)
+            elif isinstance(value, ShardedObject) and value.key.endswith(_EXTRA_STATE) and value.key not in present:
+                del node[key]
+                dropped = True
+
+    visit(template)
+    return dropped
+
+
 def load_checkpoint(
     path: str | Path,
     chunks: list[torch.nn.Module],
@@ -223,9 +251,14 @@ def load_checkpoint(
     same_layout = info.meta.get("layout") == _layout()
     if rng_state_template is not None and same_layout:
         template["rng_state"] = _rng_object(rng_state_template)
+    absent = _drop_absent_extra_state(template, info.path)
     state = dist_checkpointing.load(template, str(info.path))
     for i, c in enumerate(chunks):
-        _unwrap(c).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"])
+        result = _unwrap(c).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=not absent)
+        missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)] if absent else []
+        if missing or (absent and result.unexpected_keys):
+            raise ValueError(f"{info.path}: checkpoint does not match the model: missing {missing}, "
+                             f"unexpected {result.unexpected_keys}")  # fmt: skip
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:
