@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -42,7 +42,6 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class RunSummary:
     first_loss: float | None = None
     last_loss: float | None = None
-    losses: dict[int, float] = field(default_factory=dict)
     eval_loss: float | None = None
     checkpoint: Path | None = None
     hf_export: Path | None = None
@@ -120,10 +119,12 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         **runtime_transformer_fields(cfg.parallel, dtype=dtype, device_type=accel.device_type),
         **fusion_fields(backend),
     )
-    provider = partial(_provide, cfg, tconfig, accel.device_type)
-    chunks = build_model_chunks(
-        lambda pre, post, vp: provider(pre_process=pre, post_process=post, vp_stage=vp), cfg.parallel, tconfig, accel
-    )
+
+    def provider(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
+        return build_model(cfg.model, tconfig, device_type=accel.device_type, pre_process=pre_process,
+                           post_process=post_process, vp_stage=vp_stage)  # fmt: skip
+
+    chunks = build_model_chunks(provider, cfg.parallel, tconfig, accel)
     optimizer, scheduler = build_optimizer(cfg.optim, cfg.parallel, chunks, dtype=dtype, total_steps=t.steps)
 
     start_step = 0
@@ -216,7 +217,6 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         accel.synchronize()
         step_time = time.perf_counter() - step_t0
         window_tokens += result.num_tokens  # loss tokens: every token in fixed packing, real ones in THD
-        summary.losses[step] = result.loss
         if summary.first_loss is None:
             summary.first_loss = result.loss
         summary.last_loss = result.loss
@@ -255,11 +255,6 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         summary.hf_export = export(t.steps, summary.checkpoint)
     metrics.close()
     return summary
-
-
-def _provide(cfg: Config, tconfig, device_type: str, *, pre_process: bool, post_process: bool, vp_stage):
-    return build_model(cfg.model, tconfig, device_type=device_type, pre_process=pre_process,
-                       post_process=post_process, vp_stage=vp_stage)  # fmt: skip
 
 
 def _rng_state(accel: Accelerator) -> dict:
