@@ -111,7 +111,7 @@ def to_hf_config(cfg: FoundationConfig, dtype: torch.dtype, base: dict[str, Any]
             if same_architecture(from_hf_config(base), cfg):
                 return dict(base)
         except (ConversionError, KeyError):
-            pass
+            pass  # the stored config no longer describes this model: generate one below
     fam = get_family(cfg.family)
     rope: dict[str, Any] = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
     if cfg.rope_scaling is not None:
