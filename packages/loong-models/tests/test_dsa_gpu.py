@@ -14,16 +14,15 @@ near-tie of indexer scores can select a different key on the two paths, so that 
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core.transformer.spec_utils import build_module
 
 from loong_kernels import use_implementation
 from loong_kernels.tilelang_support import tilelang_importable
 from loong_models import build_transformer_config, decoder_block_spec, load_model_config
+from loong_xpu import get_accelerator
+from loong_xpu.testing import megatron_world
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,21 +34,8 @@ S, B = 512, 2
 
 @pytest.fixture(scope="module")
 def megatron_cuda():
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    mpu.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
-    try:
+    with megatron_world(get_accelerator("cuda")):
         yield
-    finally:
-        mpu.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _attention(topk: int):

@@ -5,12 +5,14 @@ Use from a conftest.py: ``from loong_xpu.testing import megatron_cpu``.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 
+from loong_xpu.accelerator import Accelerator
 from loong_xpu.patches import redirect_cuda
 from loong_xpu.registry import get_accelerator
 
@@ -21,14 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def megatron_cpu() -> Iterator[None]:
-    """A one-process gloo world with megatron's parallel state (TP = PP = 1) on the CPU,
-    with megatron's CUDA calls redirected by loong-xpu, for the duration of a test module."""
+@contextlib.contextmanager
+def megatron_world(accel: Accelerator) -> Iterator[None]:
+    """A one-process gloo world with megatron's parallel state (TP = PP = 1) on ``accel``'s
+    device 0, with megatron's CUDA calls redirected where the device is not CUDA."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    with redirect_cuda(get_accelerator("cpu")):
+    with redirect_cuda(accel):
+        accel.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         mpu.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(0)
@@ -37,3 +40,10 @@ def megatron_cpu() -> Iterator[None]:
         finally:
             mpu.destroy_model_parallel()
             dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu() -> Iterator[None]:
+    """:func:`megatron_world` on the CPU, for the duration of a test module."""
+    with megatron_world(get_accelerator("cpu")):
+        yield
