@@ -30,7 +30,7 @@ def test_qwen25_vit_and_merger_match_hf(megatron_cpu):
     hf_cfg._attn_implementation = "sdpa"
     hf = Qwen2_5_VisionTransformerPretrainedModel(hf_cfg).eval()
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise them so they are tested
-        for name, p in hf.named_parameters():
+        for p in hf.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     encoder, projector = build_vision(enc_cfg, proj_cfg, out_size=48)
@@ -78,7 +78,9 @@ def test_siglip_vit_matches_hf(megatron_cpu, size):
     grid = torch.tensor([[1, h // 14, w // 14]] * 2)
     pixels = torch.cat([image_to_patches(img, 14, 2) for img in images])
     with torch.no_grad():
-        expected = hf(images, interpolate_pos_encoding=size != (56, 56)).last_hidden_state  # [2, hw, D] raster
+        expected = hf(
+            images, interpolate_pos_encoding=size != (56, 56)
+        ).last_hidden_state  # [2, hw, D] raster
         got = encoder(pixels, grid)
     rows, cols = patch_coordinates(grid, 2)
     raster = (rows * (w // 14) + cols).view(2, -1)
