@@ -188,15 +188,18 @@ def test_freeze_leaves_encoder_grads_none(megatron_cpu):
     assert all(p.grad is not None for p in model.foundation.parameters())
 
 
-def test_encoder_recompute_gives_the_same_gradients(megatron_cpu):
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_encoder_recompute_gives_the_same_gradients(megatron_cpu, recompute):
     grads = []
-    for extra in ([], ["image_encoder.recompute=full"]):
+    for extra in ([], [f"image_encoder.recompute={recompute}"]):
         torch.manual_seed(0)
         _, model = tiny_vlm(extra)
-        assert (model.image_encoder.config.recompute_granularity == "full") == bool(extra)
+        assert model.image_encoder.config.recompute_granularity == (recompute if extra else None)
+        assert model.foundation.config.recompute_granularity is None  # the component's own setting
         model(**packed_batch()).sum().backward()
-        grads.append(model.image_encoder.patch_embed.proj.weight.grad)
-    torch.testing.assert_close(grads[0], grads[1])
+        grads.append({n: p.grad for n, p in model.image_encoder.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
 
 
 def test_text_only_pack_with_empty_media_keys(megatron_cpu):
