@@ -221,3 +221,13 @@ def test_placeholder_count_mismatch_is_reported(megatron_cpu):
     batch["pixel_values"] = batch["pixel_values"][:16]
     with pytest.raises(ValueError, match="image"):
         model(**batch)
+
+
+def test_sharded_state_dict_covers_every_component(megatron_cpu):
+    """megatron's distributed checkpointing (loong-ckpt training.py) reads sharded_state_dict()."""
+    _, model = tiny_vlm()
+    keys = {k for k in model.sharded_state_dict() if not k.endswith("_extra_state")}
+    params = {n for n, _ in model.named_parameters()}
+    assert params <= keys, sorted(params - keys)[:5]
+    assert any(k.startswith("image_encoder.decoder.layers.") for k in keys)
+    assert any(k.startswith("image_projector.mlp.") for k in keys)
