@@ -51,6 +51,14 @@ def test_tiny_deepseek_v3_trains_and_logs_router_stats(tmp_path, data_cache):
     records = run.records("train")
     _check_router_stats(records, num_experts=8, tokens_per_step=8 * 64, topk=2, moe_layers=1)
     assert all("moe_seq_load_balancing_loss" in r for r in records)
+    # aux-loss-free balancing: megatron nudged the router's expert bias after every step (it is
+    # saved with the weights, as HF's e_score_correction_bias)
+    import torch.distributed.checkpoint as dcp
+
+    key = "decoder.layers.1.mlp.router.expert_bias"
+    state = {key: torch.zeros(8)}
+    dcp.load(state, checkpoint_id=str(run.out_dir / "checkpoints" / "step_00000012"), no_dist=True)
+    assert state[key].abs().sum() > 0
 
 
 @pytest.mark.dist

@@ -118,11 +118,14 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         )
 
     backend = resolve_backend(cfg.model.layer_backend, accel.device_type)
-    tconfig = build_transformer_config(
-        f,
-        **runtime_transformer_fields(cfg.parallel, dtype=dtype, device_type=accel.device_type),
-        **fusion_fields(backend),
-    )
+    try:  # the layout and layer backend decide the rest (CUDA-only options, grouped-GEMM experts)
+        tconfig = build_transformer_config(
+            f,
+            **runtime_transformer_fields(cfg.parallel, dtype=dtype, device_type=accel.device_type),
+            **fusion_fields(backend),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
         return build_model(cfg.model, tconfig, device_type=accel.device_type, pre_process=pre_process,
