@@ -111,6 +111,8 @@ def compose_config(*overrides: str):
          r"parallel.offload_activations: 'expert_fc2' is unknown"),
         (["model=qwen3-moe-tiny", "+model.foundation.recompute_modules=[moe]"], 1,
          r"model.foundation.recompute_modules=\['moe'\] needs model.foundation.recompute=selective"),
+        (["model=qwen3-moe-tiny", "+model.foundation.recompute=selective", "+model.foundation.recompute_modules=[moe]",
+          "parallel.offload_activations=[expert_fc1]"], 1, r"parallel.offload_activations \['expert_fc1'\] lie inside"),
     ],
 )  # fmt: skip
 def test_moe_config_errors_name_the_key(overrides, world, message):
