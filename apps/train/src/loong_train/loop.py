@@ -184,7 +184,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     )
     b = cfg.data.balance
     balancer = build_balancer(
-        num_parameters=n_params, num_layers=f.num_layers, attention_width=f.num_attention_heads * f.head_dim,
+        num_parameters=n_active, num_layers=f.num_layers, attention_width=f.num_attention_heads * f.head_dim,
         group=mpu.get_data_parallel_group(), device=device, min_imbalance=b.min_imbalance,
         max_tokens=b.max_tokens_per_rank, refit=b.refit, warmup_steps=b.refit_warmup_steps,
         interval=b.refit_interval, window=b.refit_window,
