@@ -43,8 +43,10 @@ def resolve_backend(backend: str, device_type: str) -> str:
     if backend == "auto":
         return "te" if device_type == "cuda" and te_installed() else "local"
     if backend == "te" and not te_installed():
-        raise ValueError("model.layer_backend='te' but transformer-engine is not importable "
-                         "(install loong-models[te] on a CUDA machine)")
+        raise ValueError(
+            "model.layer_backend='te' but transformer-engine is not importable "
+            "(install loong-models[te] on a CUDA machine)"
+        )
     return backend
 
 
@@ -60,25 +62,34 @@ def decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: int
         config, use_transformer_engine=backend == "te", normalization="RMSNorm", vp_stage=vp_stage
     )
     if uses_sparse_attention(config):
-        logger.debug("layer spec: absorbed MLA + DeepSeek sparse attention (loong-kernels), %s linears", backend)
+        logger.debug(
+            "layer spec: absorbed MLA + DeepSeek sparse attention (loong-kernels), %s linears", backend
+        )
         layers = [_dsa_layer(s, backend) for s in block.layer_specs]
-        return dataclasses.replace(block, layer_specs=layers, layer_norm=RMSNorm if backend == "local" else block.layer_norm)
+        return dataclasses.replace(
+            block, layer_specs=layers, layer_norm=RMSNorm if backend == "local" else block.layer_norm
+        )
     if backend == "te":
         logger.debug("layer spec: transformer-engine")
         return block
     logger.debug("layer spec: local megatron modules + SDPA + loong-kernels RMSNorm")
-    return dataclasses.replace(block, layer_specs=[_local_layer(s) for s in block.layer_specs], layer_norm=RMSNorm)
+    return dataclasses.replace(
+        block, layer_specs=[_local_layer(s) for s in block.layer_specs], layer_norm=RMSNorm
+    )
+
+
+# Per-head q/k norms (GQA: q_layernorm, k_layernorm) and latent norms (MLA: q_layernorm, kv_layernorm)
+_ATTENTION_NORMS = ("q_layernorm", "k_layernorm", "kv_layernorm")
 
 
 def _local_layer(spec: ModuleSpec) -> ModuleSpec:
+    """GQA or MLA attention with SDPA core attention; the MLP (dense, or MoE: megatron's router,
+    SequentialMLP experts and shared experts) stays megatron's local spec."""
     sub = spec.submodules
     attn = sub.self_attention
     attn_sub = attn.submodules
-    attn_sub = dataclasses.replace(
-        attn_sub,
-        core_attention=SDPAttention,
-        **{k: RMSNorm for k in ("q_layernorm", "k_layernorm") if getattr(attn_sub, k) is not IdentityOp},
-    )
+    norms = {k: RMSNorm for k in _ATTENTION_NORMS if getattr(attn_sub, k, IdentityOp) is not IdentityOp}
+    attn_sub = dataclasses.replace(attn_sub, core_attention=SDPAttention, **norms)
     sub = dataclasses.replace(
         sub,
         self_attention=dataclasses.replace(attn, submodules=attn_sub),
@@ -117,7 +128,9 @@ def _dsa_attention(backend: str) -> ModuleSpec:
             linear_q_up_proj=column,
             linear_kv_down_proj=down,
             linear_kv_up_proj=column,
-            core_attention=ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=LightningIndexer)),
+            core_attention=ModuleSpec(
+                module=DSAttention, submodules=DSAttentionSubmodules(indexer=LightningIndexer)
+            ),
             linear_proj=row,
             # standalone (not fused into the up projections): the indexer reads the normed q latent
             q_layernorm=RMSNorm,
@@ -136,9 +149,13 @@ def _dsa_layer(spec: ModuleSpec, backend: str) -> ModuleSpec:
 
 def fusion_fields(backend: str) -> dict[str, bool]:
     """TransformerConfig switches for fused kernels that exist only with the TE backend
-    (fused RoPE, SwiGLU, bias-dropout-add, wgrad accumulation into main_grad, fused CE)."""
+    (fused RoPE, SwiGLU, bias-dropout-add, wgrad accumulation into main_grad, fused CE), and the
+    MoE experts' implementation: TE's grouped GEMM (TEGroupedMLP) with TE, else megatron's
+    SequentialMLP (one local MLP per expert; megatron's non-TE GroupedMLP needs the grouped_gemm
+    package, which Loong does not require)."""
     on = backend == "te"
     return dict(
+        moe_grouped_gemm=on,
         apply_rope_fusion=on,
         bias_activation_fusion=on,
         bias_dropout_fusion=on,
