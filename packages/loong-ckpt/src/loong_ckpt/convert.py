@@ -102,9 +102,11 @@ def check_layout(cfg: FoundationConfig, tp: int, pp: int, ep: int = 1) -> None:
         raise ConversionError(f"--tp={tp} must divide the attention heads ({cfg.num_attention_heads})")
     if cfg.num_layers % pp:
         raise ConversionError(f"--pp={pp} must divide the model's {cfg.num_layers} layers")
-    moe = getattr(cfg, "moe", None)
+    moe = cfg.moe
     if ep > 1 and (moe is None or moe.num_experts % ep):
-        raise ConversionError(f"--ep={ep} must divide the model's routed experts ({moe.num_experts if moe else 'none'})")
+        raise ConversionError(
+            f"--ep={ep} must divide the model's routed experts ({moe.num_experts if moe else 'none'})"
+        )
     if cfg.padded_vocab_size(tp) != cfg.padded_vocab_size(1):
         raise ConversionError(
             f"--tp={tp} changes the padded vocabulary ({cfg.padded_vocab_size(1)} -> {cfg.padded_vocab_size(tp)}); "
@@ -223,7 +225,7 @@ def hf_to_mcore(
             "format_version": FORMAT_VERSION,
             "step": 0,
             "layout": None,  # layout-free: global tensors, loadable with any TP / PP / EP
-            "target_layout": {"tp": tp, "pp": pp, **({"ep": ep} if getattr(cfg, "moe", None) is not None else {})},
+            "target_layout": {"tp": tp, "pp": pp, **({"ep": ep} if cfg.moe is not None else {})},
             "time": time.time(),
             "foundation": foundation_to_dict(cfg),
             "hf_config": reader.config,

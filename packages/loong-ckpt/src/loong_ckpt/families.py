@@ -19,11 +19,11 @@ _E = _H + "mlp.experts.{e}."
 
 
 def _dense_mlp_layer(c: FoundationConfig, i: int) -> bool:
-    return getattr(c, "moe", None) is None or i < c.moe.first_k_dense
+    return c.moe is None or i < c.moe.first_k_dense
 
 
 def _moe_layer(c: FoundationConfig, i: int) -> bool:
-    return getattr(c, "moe", None) is not None and i >= c.moe.first_k_dense
+    return c.moe is not None and i >= c.moe.first_k_dense
 
 
 EMBEDDING_AND_HEAD: tuple[Rule, ...] = (
@@ -47,7 +47,8 @@ GQA_ATTENTION: tuple[Rule, ...] = (
 
 # The pre-MLP norm (every layer, dense or MoE) and the dense SwiGLU MLP (dense layers only).
 DENSE_MLP: tuple[Rule, ...] = (
-    Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), Split.REPLICATED),
+    Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), Split.REPLICATED,
+         aliases=(_L + "pre_mlp_layernorm.weight",)),  # a separate norm: MoE layers with TE, MLA layers locally
     Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), Split.COLUMN, GATE_UP,
          on_layer=_dense_mlp_layer),
     Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Split.ROW, on_layer=_dense_mlp_layer),
@@ -65,13 +66,13 @@ MLA_ATTENTION: tuple[Rule, ...] = (
          when=lambda c: c.mla.q_lora_rank is None),
     Rule(_L + "self_attention.linear_q_down_proj.weight", (_H + "self_attn.q_a_proj.weight",), Split.COLUMN,
          when=lambda c: c.mla.q_lora_rank is not None),
-    Rule(_L + "self_attention.linear_q_up_proj.layer_norm_weight", (_H + "self_attn.q_a_layernorm.weight",),
-         Split.REPLICATED, when=lambda c: c.mla.q_lora_rank is not None),
+    Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_a_layernorm.weight",), Split.REPLICATED,
+         when=lambda c: c.mla.q_lora_rank is not None, aliases=(_L + "self_attention.linear_q_up_proj.layer_norm_weight",)),
     Rule(_L + "self_attention.linear_q_up_proj.weight", (_H + "self_attn.q_b_proj.weight",), Split.COLUMN,
          when=lambda c: c.mla.q_lora_rank is not None),
     Rule(_L + "self_attention.linear_kv_down_proj.weight", (_H + "self_attn.kv_a_proj_with_mqa.weight",), Split.COLUMN),
-    Rule(_L + "self_attention.linear_kv_up_proj.layer_norm_weight", (_H + "self_attn.kv_a_layernorm.weight",),
-         Split.REPLICATED),
+    Rule(_L + "self_attention.kv_layernorm.weight", (_H + "self_attn.kv_a_layernorm.weight",), Split.REPLICATED,
+         aliases=(_L + "self_attention.linear_kv_up_proj.layer_norm_weight",)),
     Rule(_L + "self_attention.linear_kv_up_proj.weight", (_H + "self_attn.kv_b_proj.weight",), Split.COLUMN),
     Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Split.ROW),
 )  # fmt: skip

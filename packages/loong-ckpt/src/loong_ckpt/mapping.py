@@ -118,6 +118,9 @@ class Rule:
     on_layer: Callable[[FoundationConfig, int], bool] | None = None
     # Megatron keeps this tensor in one dtype whatever the model's (the router's fp32 expert bias).
     dtype: torch.dtype | None = None
+    # Other keys megatron gives the same tensor under another layer spec (norms that TE fuses into
+    # the next linear: ``linear_q_up_proj.layer_norm_weight`` for the local ``q_layernorm.weight``).
+    aliases: tuple[str, ...] = ()
 
     def applies(self, cfg: FoundationConfig) -> bool:
         return self.when is None or self.when(cfg)
@@ -233,7 +236,7 @@ def rule_key(key: str) -> tuple[str, int | None]:
 def units(rules: Sequence[Rule], cfg: FoundationConfig) -> Iterator[tuple[Rule, int | None, int | None]]:
     """Every (rule, layer, expert) tensor of a model of ``cfg``, in HF's usual order: non-layer
     tensors first, then layer by layer (a layer's own tensors, then its experts one by one)."""
-    num_experts = cfg.moe.num_experts if getattr(cfg, "moe", None) is not None else 0
+    num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
     yield from ((r, None, None) for r in rules if not r.layered)
     for i in range(cfg.num_layers):
         here = [r for r in rules if r.layered and r.has_layer(cfg, i)]
@@ -244,19 +247,18 @@ def units(rules: Sequence[Rule], cfg: FoundationConfig) -> Iterator[tuple[Rule, 
 
 def locate(rule: Rule, layer: int | None, expert: int | None, keys: Collection[str]) -> Unit | None:
     """Where (rule, layer, expert) lives among checkpoint ``keys`` (indexed or stacked layers)."""
-    prefix: tuple[int, ...] = ()
-    key = rule.mcore
-    if layer is not None:
-        indexed = layer_key(rule.mcore, layer)
-        if indexed in keys:
-            key = indexed
-        else:
-            prefix = (layer,)
-    if key not in keys:
-        return None
-    if expert is not None:
-        prefix += (expert,)
-    return Unit(rule, layer, expert, key, prefix)
+    for name in (rule.mcore, *rule.aliases):
+        prefix: tuple[int, ...] = ()
+        key = name
+        if layer is not None:
+            indexed = layer_key(name, layer)
+            if indexed in keys:
+                key = indexed
+            else:
+                prefix = (layer,)
+        if key in keys:
+            return Unit(rule, layer, expert, key, prefix + (() if expert is None else (expert,)))
+    return None
 
 
 @dataclass(frozen=True)
@@ -267,4 +269,5 @@ class FamilyMapping:
     rules: tuple[Rule, ...]
 
     def by_mcore_key(self) -> dict[str, Rule]:
-        return {r.mcore: r for r in self.rules}
+        """Every megatron key (aliases included) -> its rule."""
+        return {k: r for r in self.rules for k in (r.mcore, *r.aliases)}

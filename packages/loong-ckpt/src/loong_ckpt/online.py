@@ -65,7 +65,9 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
             key, layer = rule_key(sh.key)
             rule = rules.get(key)
             if rule is None:
-                raise ConversionError(f"family {cfg.family}: no mapping rule for megatron key {sh.key} ({name})")
+                raise ConversionError(
+                    f"family {cfg.family}: no mapping rule for megatron key {sh.key} ({name})"
+                )
             axis = 0  # the prepended axes: the stacked layer (unless the key is indexed), then the expert
             if rule.layered and layer is None:
                 layer, axis = sh.global_offset[0], 1
@@ -73,7 +75,10 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
             rank, size = etp if rule.expert else tp
             dim = rule.split.dim
             if dim is not None and sh.axis_fragmentations[sh.prepend_axis_num + dim] == 1:
-                rank, size = 0, 1  # a linear this layer spec keeps whole on every rank (TE's MLA down projections)
+                rank, size = (
+                    0,
+                    1,
+                )  # a linear this layer spec keeps whole on every rank (TE's MLA down projections)
             local = rule.tp_shard(reader, layer, cfg, rank, size, padded, expert)
             if local.shape != data.shape:
                 raise ConversionError(
@@ -88,10 +93,11 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
 
 
 def _diff(a: FoundationConfig, b: FoundationConfig) -> str:
-    from loong_ckpt.hf_config import ARCH_FIELDS
+    from loong_ckpt.hf_config import arch_diff
 
-    diffs = [f"{k}: {getattr(a, k)!r} (HF) != {getattr(b, k)!r}" for k in ARCH_FIELDS if getattr(a, k) != getattr(b, k)]
-    return "; ".join(diffs) or "head_dim / KV groups differ"
+    return (
+        "; ".join(d.replace(" != ", " (HF) != ", 1) for d in arch_diff(a, b)) or "head_dim / KV groups differ"
+    )
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None) -> Path:
