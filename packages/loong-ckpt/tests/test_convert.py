@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_testlib import FAMILIES, get_converted, logits_in_process, worker_env
+from ckpt_testlib import FAMILIES, MOE_FAMILIES, get_converted, logits_in_process, worker_env
 from safetensors.torch import load_file
 
 TOL = 1e-4
@@ -27,7 +27,7 @@ def _hf_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_logits_match_hf_tp1(family, converted):
     c = converted(family)
     logits = logits_in_process(c.ckpt, c.tokens)
@@ -35,7 +35,7 @@ def test_logits_match_hf_tp1(family, converted):
     assert (logits - c.ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_online_hf_load_matches_hf_tp1(family, converted):
     c = converted(family)
     online = logits_in_process(c.hf, c.tokens)
@@ -43,7 +43,7 @@ def test_online_hf_load_matches_hf_tp1(family, converted):
     assert torch.equal(online, logits_in_process(c.ckpt, c.tokens))  # same weights as the offline path
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
 def test_round_trip_is_bit_identical(family, converted, tmp_path):
     from loong_ckpt import mcore_to_hf
 
@@ -73,14 +73,7 @@ def test_generated_config_loads_in_transformers(converted, tmp_path):
     from loong_ckpt import mcore_to_hf
 
     c = converted("llama")
-    meta = json.loads((c.ckpt / "loong.json").read_text())
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    for f in c.ckpt.iterdir():
-        if f.is_file():
-            (ckpt / f.name).write_bytes(f.read_bytes())
-    del meta["hf_config"]
-    (ckpt / "loong.json").write_text(json.dumps(meta))
+    ckpt = _without_hf_config(c.ckpt, tmp_path / "ckpt")
     mcore_to_hf(ckpt, tmp_path / "hf", progress=False, max_shard_bytes=100_000)
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
     src = transformers.AutoConfig.from_pretrained(c.hf)
@@ -89,6 +82,45 @@ def test_generated_config_loads_in_transformers(converted, tmp_path):
                 "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "tie_word_embeddings"):  # fmt: skip
         assert getattr(got, key) == getattr(src, key), key
     assert got.rope_parameters["rope_theta"] == src.rope_parameters["rope_theta"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model(torch.load(c.tokens)).logits, c.ref)
+
+
+def _without_hf_config(src: Path, ckpt: Path) -> Path:
+    """A copy of checkpoint ``src`` whose loong.json records no source HF config.json."""
+    ckpt.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (ckpt / f.name).write_bytes(f.read_bytes())
+    meta = json.loads((src / "loong.json").read_text())
+    del meta["hf_config"]
+    (ckpt / "loong.json").write_text(json.dumps(meta))
+    return ckpt
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_generated_config_loads_in_transformers(family, converted, tmp_path):
+    """A MoE checkpoint without the source config.json gets a generated one: transformers builds
+    the same architecture from it and the exported weights give the same logits."""
+    import transformers
+
+    from loong_ckpt import mcore_to_hf
+
+    c = converted(family)
+    mcore_to_hf(_without_hf_config(c.ckpt, tmp_path / "ckpt"), tmp_path / "hf", progress=False)
+    src = transformers.AutoConfig.from_pretrained(c.hf)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    got = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert cfg != json.loads((c.hf / "config.json").read_text())  # generated, not copied
+    keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+            "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "rms_norm_eps"]
+    keys += {"qwen3-moe": ["num_experts", "num_key_value_heads", "head_dim", "mlp_only_layers", "decoder_sparse_step"],
+             "deepseek-v3": ["n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+                             "routed_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                             "qk_rope_head_dim", "v_head_dim", "rope_interleave"]}[family]  # fmt: skip
+    for key in keys:
+        assert getattr(got, key) == getattr(src, key), key
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(model(torch.load(c.tokens)).logits, c.ref)
