@@ -1,6 +1,6 @@
 """``loong-convert``: HF <-> Megatron checkpoints from the command line.
 
-    loong-convert hf-to-mcore <hf dir> <out dir> [--tp N] [--pp N] [--dtype auto|fp32|bf16|fp16]
+    loong-convert hf-to-mcore <hf dir> <out dir> [--tp N] [--pp N] [--ep N] [--dtype auto|fp32|bf16|fp16]
     loong-convert mcore-to-hf <checkpoint dir> <out dir> [--dtype ...] [--tokenizer DIR]
 """
 
@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("out", type=Path, help="output checkpoint directory")
     a.add_argument("--tp", type=int, default=1, help="tensor-parallel size to validate and record (default 1)")
     a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to validate and record (default 1)")
+    a.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE) to validate and record (default 1)")
     a.add_argument("--name", help="model name for the generated Loong YAML (default: the HF directory name)")
     b = sub.add_parser("mcore-to-hf", help="Loong / megatron distributed checkpoint (any TP/PP) -> HF directory")
     b.add_argument("src", type=Path, help="checkpoint directory (e.g. runs/x/checkpoints/step_00000100)")
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "hf-to-mcore":
-            res = hf_to_mcore(args.src, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, name=args.name,
+            res = hf_to_mcore(args.src, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype, name=args.name,
                               force=args.force, progress=not args.no_progress)  # fmt: skip
             print(f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)")
             print(f"train from it:\n  {res.command}")
