@@ -138,6 +138,23 @@ def test_checkpoint_metadata_and_yaml(converted):
     assert "family: qwen3" in found and "kv_channels: 16" in found
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_model_yaml_is_the_checkpoint_model(family, converted):
+    """The foundation YAML written next to a MoE / MLA checkpoint passes the model schema and
+    describes the checkpoint's model (moe: and mla: sub-configs included), so `train` can use it."""
+    from omegaconf import OmegaConf
+
+    from loong_ckpt.hf_config import foundation_from_dict
+    from loong_models import to_model_config
+
+    c = converted(family)
+    meta = json.loads((c.ckpt / "loong.json").read_text())
+    yaml = c.ckpt / "configs" / "model" / "foundation" / f"{meta['model_name']}.yaml"
+    model = to_model_config(OmegaConf.create({"foundation": OmegaConf.load(yaml)}))
+    assert model.foundation == foundation_from_dict(meta["foundation"])
+    assert model.foundation.moe is not None and (model.foundation.mla is not None) == (family == "deepseek-v3")
+
+
 def test_megatron_reads_same_keys_as_training_checkpoints(converted):
     """The converted checkpoint holds exactly the tensor keys the model's sharded_state_dict names."""
     from loong_ckpt.hf_config import foundation_from_dict
