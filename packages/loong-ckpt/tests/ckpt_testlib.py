@@ -44,7 +44,13 @@ def run_workers(
     script = [str(HERE / "parity_worker.py"), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
     script += ["--read-log", str(read_log)] if read_log else []
     script += [str(x) for job in jobs for x in job]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp * ep}"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={tp * pp * ep}",
+    ]
     proc = subprocess.run([*launcher, *script], env=worker_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out) for _, _, out in jobs]

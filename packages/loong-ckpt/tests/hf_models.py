@@ -23,8 +23,16 @@ FAMILY_CONFIGS = {
 }  # fmt: skip
 
 
-def make_hf_model(path: Path, family: str, *, tie: bool = False, vocab: int = 1000, layers: int = 2,
-                  seed: int = 0, max_shard_size: str | None = None) -> Path:
+def make_hf_model(
+    path: Path,
+    family: str,
+    *,
+    tie: bool = False,
+    vocab: int = 1000,
+    layers: int = 2,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> Path:
     import transformers
 
     cls_name, extra = FAMILY_CONFIGS[family]

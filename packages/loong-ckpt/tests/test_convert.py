@@ -13,11 +13,11 @@ from safetensors.torch import load_file
 
 TOL = 1e-4
 
+
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
     """converted(family) -> Converted (shared by every module of the session)."""
     return lambda family: get_converted(tmp_path_factory, family)
-
 
 
 def _hf_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -113,8 +113,17 @@ def test_moe_generated_config_loads_in_transformers(family, converted, tmp_path)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     got = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
     assert cfg != json.loads((c.hf / "config.json").read_text())  # generated, not copied
-    keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-            "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "rms_norm_eps"]
+    keys = [
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "rms_norm_eps",
+    ]
     keys += {"qwen3-moe": ["num_experts", "num_key_value_heads", "head_dim", "mlp_only_layers", "decoder_sparse_step"],
              "deepseek-v3": ["n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
                              "routed_scaling_factor", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -124,6 +133,42 @@ def test_moe_generated_config_loads_in_transformers(family, converted, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(model(torch.load(c.tokens)).logits, c.ref)
+
+
+def test_checkpoint_with_the_other_specs_names_loads(converted, tmp_path):
+    """A deepseek-v3 checkpoint whose norms carry the other layer spec's names (TE's
+    linear_q_up_proj.layer_norm_weight ... for the local q_layernorm.weight ...): training's
+    load_checkpoint and mcore-to-hf both find them through the mapping's aliases."""
+    from loong_ckpt import mcore_to_hf
+    from loong_ckpt.families import key_aliases
+    from loong_ckpt.mapping import layer_key, rule_key
+    from loong_ckpt.mcore_io import Chunk, read_metadata, read_regions, write_checkpoint
+
+    c = converted("deepseek-v3")
+    stored = {k: (tuple(v.size), v.properties.dtype) for k, v in read_metadata(c.ckpt).items()}
+    aliases, renamed = key_aliases(), {}
+    for key in stored:
+        name, layer = rule_key(key)
+        other = aliases.get(name, (None,))[0]
+        renamed[key] = key if other is None else other if layer is None else layer_key(other, layer)
+    assert sum(a != b for a, b in renamed.items()) == 6  # q / kv latent norms and the pre-MLP norm, 2 layers
+    back = {new: old for old, new in renamed.items()}
+    chunks = [Chunk(renamed[k], shape, (0,) * len(shape), shape, dt) for k, (shape, dt) in stored.items()]
+
+    def compute(chunk: Chunk) -> torch.Tensor:
+        old = back[chunk.key]
+        buf = torch.empty(*chunk.sizes, dtype=chunk.dtype)
+        read_regions(c.ckpt, {old: ((0,) * len(chunk.sizes), buf)})
+        return buf
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_checkpoint(ckpt, chunks, [], compute)
+    (ckpt / "loong.json").write_text((c.ckpt / "loong.json").read_text())
+    assert (logits_in_process(ckpt, c.tokens) - c.ref).abs().max().item() <= TOL
+    mcore_to_hf(ckpt, tmp_path / "hf", progress=False)
+    a, b = _hf_tensors(c.hf), _hf_tensors(tmp_path / "hf")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_checkpoint_metadata_and_yaml(converted):
@@ -152,7 +197,9 @@ def test_moe_model_yaml_is_the_checkpoint_model(family, converted):
     yaml = c.ckpt / "configs" / "model" / "foundation" / f"{meta['model_name']}.yaml"
     model = to_model_config(OmegaConf.create({"foundation": OmegaConf.load(yaml)}))
     assert model.foundation == foundation_from_dict(meta["foundation"])
-    assert model.foundation.moe is not None and (model.foundation.mla is not None) == (family == "deepseek-v3")
+    assert model.foundation.moe is not None and (model.foundation.mla is not None) == (
+        family == "deepseek-v3"
+    )
 
 
 def test_megatron_reads_same_keys_as_training_checkpoints(converted):
@@ -173,7 +220,23 @@ def test_cli_round_trip_with_layout(converted, tmp_path, capsys):
 
     c = converted("llama")
     ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
-    assert main(["hf-to-mcore", str(c.hf), str(ckpt), "--tp", "2", "--pp", "2", "--no-progress", "--name", "tiny-llama"]) == 0
+    assert (
+        main(
+            [
+                "hf-to-mcore",
+                str(c.hf),
+                str(ckpt),
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--no-progress",
+                "--name",
+                "tiny-llama",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"model=tiny-llama train.init_from={ckpt}" in out and "parallel.tp=2 parallel.pp=2" in out
     assert json.loads((ckpt / "loong.json").read_text())["target_layout"] == {"tp": 2, "pp": 2}

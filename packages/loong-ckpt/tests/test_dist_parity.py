@@ -10,11 +10,11 @@ from ckpt_testlib import FAMILIES, MOE_FAMILIES, get_converted, run_workers
 
 TOL = 1e-4
 
+
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
     """converted(family) -> Converted (shared by every module of the session)."""
     return lambda family: get_converted(tmp_path_factory, family)
-
 
 
 @pytest.mark.dist

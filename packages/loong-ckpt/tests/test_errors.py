@@ -18,7 +18,6 @@ def converted(tmp_path_factory):
     return lambda family: get_converted(tmp_path_factory, family)
 
 
-
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -202,7 +201,9 @@ def test_mtp_layers_are_refused(converted, tmp_path):
     index = json.loads((hf / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.layers.2.eh_proj.weight"] = shard.name
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ConversionError, match=r"model\.layers\.2\.eh_proj\.weight.*multi-token-prediction \(MTP\)"):
+    with pytest.raises(
+        ConversionError, match=r"model\.layers\.2\.eh_proj\.weight.*multi-token-prediction \(MTP\)"
+    ):
         hf_to_mcore(hf, tmp_path / "out", progress=False)
     _nothing_left(tmp_path / "out")
 
@@ -215,7 +216,10 @@ def test_fused_expert_layout_is_refused(converted, tmp_path):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(converted("qwen3-moe").hf, dtype=torch.float32)
     model.save_pretrained(tmp_path / "hf", save_original_format=False)
-    with pytest.raises(ConversionError, match=r"mlp\.experts\.(gate_up|down)_proj holds all experts fused.*save_original_format"):
+    with pytest.raises(
+        ConversionError,
+        match=r"mlp\.experts\.(gate_up|down)_proj holds all experts fused.*save_original_format",
+    ):
         hf_to_mcore(tmp_path / "hf", tmp_path / "out", progress=False)
     _nothing_left(tmp_path / "out")
 
@@ -223,10 +227,19 @@ def test_fused_expert_layout_is_refused(converted, tmp_path):
 def test_expert_parallel_layout_is_checked(converted, tmp_path):
     from loong_ckpt.cli import main
 
-    assert main(["hf-to-mcore", str(converted("qwen3-moe").hf), str(tmp_path / "x"), "--ep", "3", "--no-progress"]) == 2
+    assert (
+        main(
+            ["hf-to-mcore", str(converted("qwen3-moe").hf), str(tmp_path / "x"), "--ep", "3", "--no-progress"]
+        )
+        == 2
+    )
     with pytest.raises(ConversionError, match=r"--ep=2 must divide the model's routed experts \(none\)"):
         hf_to_mcore(converted("llama").hf, tmp_path / "out", ep=2, progress=False)
     res = hf_to_mcore(converted("qwen3-moe").hf, tmp_path / "ok", ep=2, progress=False)
     assert "parallel.ep=2" in res.command
-    assert json.loads((tmp_path / "ok" / "loong.json").read_text())["target_layout"] == {"tp": 1, "pp": 1, "ep": 2}
+    assert json.loads((tmp_path / "ok" / "loong.json").read_text())["target_layout"] == {
+        "tp": 1,
+        "pp": 1,
+        "ep": 2,
+    }
     _nothing_left(tmp_path / "x")

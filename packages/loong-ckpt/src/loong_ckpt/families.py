@@ -131,3 +131,14 @@ def get_mapping(family: str) -> FamilyMapping:
 def supported_architectures() -> dict[str, str]:
     """HF ``architectures`` entry -> loong family, for every family with a mapping."""
     return {arch: name for name, fam in FAMILIES.items() if name in MAPPINGS for arch in fam.hf_architectures}
+
+
+def key_aliases() -> dict[str, tuple[str, ...]]:
+    """Megatron key -> the other keys the same tensor has under another layer spec (every family)."""
+    out: dict[str, set[str]] = {}
+    for fam in MAPPINGS.values():
+        for r in fam.rules:
+            names = {r.mcore, *r.aliases}
+            for n in names if r.aliases else ():
+                out.setdefault(n, set()).update(names - {n})
+    return {k: tuple(sorted(v)) for k, v in out.items()}
