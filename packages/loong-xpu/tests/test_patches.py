@@ -92,3 +92,15 @@ def test_megatron_optimizer_kernels_are_host_ones_on_redirected_devices(monkeypa
         assert torch.allclose(norm, torch.tensor(7.0).sqrt())
     for (module, name), value in bindings.items():
         assert getattr(module, name) is value
+
+
+def test_moe_dispatcher_split_sizes_become_host_numpy():
+    # The EP all-to-all hands these to all_to_all_single as split sizes (a list-like of ints).
+    from megatron.core.transformer.moe import token_dispatcher
+
+    with redirect_cuda(get_accelerator("cpu")):
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
+        assert splits.tolist() == [3, 5] and not torch.is_tensor(splits)
+        count = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor(7))
+        assert torch.is_tensor(count) and count.device.type == "cpu"
+        assert token_dispatcher.maybe_move_tensor_to_cpu(None) is None

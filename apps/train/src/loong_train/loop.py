@@ -19,6 +19,7 @@ from loong_models import build_model, build_transformer_config, fusion_fields, r
 from loong_models.packed_seq import packed_seq_params
 from loong_parallel import (
     LOSS_KEY,
+    RouterStats,
     build_model_chunks,
     build_optimizer,
     eval_step,
@@ -50,15 +51,18 @@ class RunSummary:
     tokens_per_s: float | None = None
 
 
-def lm_forward_step(device: torch.device, data_iterator, model):
+def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_plan: bool = False):
     """megatron forward_step: per-token LM loss on the last stage, hidden states elsewhere.
-    Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document."""
+    Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document.
+    ``return_schedule_plan``: megatron's combined 1F1B schedule (MoE all-to-all overlap) asks for
+    the model's schedule plan of this micro-batch instead of running its forward."""
     batch = next(data_iterator)
     tokens = batch["tokens"].to(device, non_blocking=True)
     packed = None
     if "cu_seqlens" in batch:
         packed = packed_seq_params(batch["cu_seqlens"].to(device, non_blocking=True), batch["max_seqlen"])
-    output = model(
+    run = model.build_schedule_plan if return_schedule_plan else model
+    output = run(
         tokens,
         batch["position_ids"].to(device, non_blocking=True),
         None,  # causal mask is implied by the layer spec
@@ -150,15 +154,18 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         optimizer.reload_model_params()
 
     n_params = f.num_parameters()
+    n_active = f.num_active_parameters()  # = n_params for dense models; MFU counts what a token uses
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
-    flops_per_token = 6 * n_params + 6 * f.num_layers * f.hidden_size * cfg.data.seq_length
+    flops_per_token = 6 * n_active + 6 * f.num_layers * f.hidden_size * cfg.data.seq_length
     peak = accel.peak_flops(dtype)
     if is_main:
+        moe = f"{n_active / 1e6:.1f}M active, {f.moe.num_experts} experts top-{f.moe.router_topk}, " if f.moe else ""
+        experts = f" | experts: ep {cfg.parallel.ep} x etp {cfg.parallel.expert_tp}" if f.moe else ""
         logger.info(
-            "model %s (%.1fM params, %s layers) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d | "
+            "model %s (%.1fM params, %s%s layers) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d%s | "
             "global batch %d x seq %d, %d micro-batches/step",
-            f.family, n_params / 1e6, f.num_layers, accel.name, str(dtype).removeprefix("torch."), backend,
-            world_size, cfg.parallel.tp, cfg.parallel.pp, mpu.get_data_parallel_world_size(),
+            f.family, n_params / 1e6, moe, f.num_layers, accel.name, str(dtype).removeprefix("torch."), backend,
+            world_size, cfg.parallel.tp, cfg.parallel.pp, mpu.get_data_parallel_world_size(), experts,
             t.global_batch_size, cfg.data.seq_length, num_microbatches,
         )  # fmt: skip
 
@@ -176,6 +183,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, start_step=start_step, balancer=balancer,
     )  # fmt: skip
     forward_step = partial(lm_forward_step, device)
+    router_stats = RouterStats(chunks, tconfig, device) if f.moe else None
     metrics = MetricsWriter(out_dir, enabled=is_main, tensorboard=t.tensorboard, resume_step=start_step)
     summary = RunSummary(metrics_file=metrics.path, tensorboard_dir=metrics.tb_dir if t.tensorboard else None)
 
@@ -206,7 +214,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         return export_hf(checkpoint, out_dir / "hf" / f"step_{step:08d}", tokenizer=tok if tok.is_dir() else tok.parent)
 
     bar = progress_bar(t.steps, start_step, enabled=is_main and t.progress)
-    window_t0, window_tokens = time.perf_counter(), 0
+    window_t0, window_tokens, window_steps = time.perf_counter(), 0, 0
     for step in range(start_step + 1, t.steps + 1):
         step_t0 = time.perf_counter()
         mbs = next(batches)
@@ -217,6 +225,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         accel.synchronize()
         step_time = time.perf_counter() - step_t0
         window_tokens += result.num_tokens  # loss tokens: every token in fixed packing, real ones in THD
+        window_steps += 1
         if summary.first_loss is None:
             summary.first_loss = result.loss
         summary.last_loss = result.loss
@@ -231,13 +240,18 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             }  # fmt: skip
             if balancer:
                 record.update(balancer.metrics())
+            postfix = {}
+            if router_stats:
+                moe_stats = router_stats.report(num_microbatches * window_steps, step)
+                record.update(moe_stats)
+                postfix = {k.removeprefix("moe_"): f"{v:.3g}" for k, v in moe_stats.items() if not isinstance(v, list)}
             if peak:
                 record["mfu"] = flops_per_token * tps / world_size / peak
             mem = accel.memory_stats()
             record["peak_mem_gib"] = round(mem.peak_allocated / 2**30, 3)
             metrics.write(record)
-            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-            window_t0, window_tokens = time.perf_counter(), 0
+            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}", **postfix, refresh=False)
+            window_t0, window_tokens, window_steps = time.perf_counter(), 0, 0
         bar.update(1)
         if t.eval_interval and t.eval_iters and step % t.eval_interval == 0 and step != t.steps:
             evaluate(step)
@@ -247,6 +261,8 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             if want_export:
                 summary.hf_export = export(step, summary.checkpoint)
     bar.close()
+    if router_stats:
+        router_stats.close()
     if t.eval_iters:
         summary.eval_loss = evaluate(t.steps)
     if t.save_final or t.export_hf:

@@ -88,6 +88,19 @@ def _set_rng_state_of(accel: Accelerator):
     return set_rng_state
 
 
+def _host_copy_of(accel: Accelerator):
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        # megatron's version copies only CUDA tensors, so on another device the all-to-all split
+        # sizes stay tensors and torch's all_to_all_single rejects them: copy any non-host tensor,
+        # and give numpy where asked whichever device the tensor is on.
+        if not torch.is_tensor(tensor):
+            return tensor
+        host = tensor.to("cpu")
+        return host.numpy() if as_numpy else host
+
+    return maybe_move_tensor_to_cpu
+
+
 MANIFEST: tuple[Patch, ...] = (
     Patch(
         "torch.cuda:current_device",
@@ -206,6 +219,12 @@ MANIFEST: tuple[Patch, ...] = (
         "megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
         "the copy/scale kernel of mixed-precision optimizers (TE's multi_tensor_scale when TE is installed)",
         lambda a: _megatron_util("local_multi_tensor_scale"),
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+        "the MoE all-to-all dispatcher turns its split sizes into host numpy arrays only for CUDA "
+        "tensors; elsewhere all_to_all_single receives tensors as split sizes and fails (EP > 1)",
+        _host_copy_of,
     ),
     Patch(
         "torch.cuda:memory_allocated",
