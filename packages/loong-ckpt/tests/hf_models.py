@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+_UNSET = object()  # a base kwarg this family's config does not take
 _MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True)
 FAMILY_CONFIGS = {
     "llama": ("LlamaConfig", {}),
@@ -16,7 +17,7 @@ FAMILY_CONFIGS = {
     # MLA with a query latent; a dense first layer, then MoE with a shared expert and sigmoid
     # group-limited routing (2 groups, best 1: megatron and HF rank groups alike when topk/topk_group=2)
     "deepseek-v3": ("DeepseekV3Config", dict(
-        _MOE, num_key_value_heads=4, head_dim=None, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+        _MOE, num_key_value_heads=4, head_dim=_UNSET, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
         n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=0,
     )),
@@ -32,6 +33,7 @@ def make_hf_model(
     layers: int = 2,
     seed: int = 0,
     max_shard_size: str | None = None,
+    **overrides: object,
 ) -> Path:
     import transformers
 
@@ -42,7 +44,8 @@ def make_hf_model(
         tie_word_embeddings=tie, rms_norm_eps=1e-6,
     )  # fmt: skip
     kwargs.update(extra)
-    config = getattr(transformers, cls_name)(**{k: v for k, v in kwargs.items() if v is not None})
+    kwargs.update(overrides)  # per-test variants of the family's config
+    config = getattr(transformers, cls_name)(**{k: v for k, v in kwargs.items() if v is not _UNSET})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norms and biases too, so that a swapped tensor cannot go unnoticed

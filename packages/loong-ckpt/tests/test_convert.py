@@ -87,6 +87,24 @@ def test_generated_config_loads_in_transformers(converted, tmp_path):
         assert torch.equal(model(torch.load(c.tokens)).logits, c.ref)
 
 
+@pytest.mark.parametrize(
+    "family,variant", [("qwen3-moe", {"mlp_only_layers": [0]})], ids=["qwen3-moe-dense-first-layer"]
+)
+def test_moe_variants_match_hf(family, variant, tmp_path):
+    """Qwen3-MoE with a dense first layer (mlp_only_layers): offline and online logits equal HF's."""
+    from hf_models import hf_logits, make_hf_model
+
+    from loong_ckpt import hf_to_mcore
+
+    hf = make_hf_model(tmp_path / "hf", family, **variant)
+    hf_to_mcore(hf, tmp_path / "ckpt", progress=False)
+    tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    ref = hf_logits(hf, tokens)
+    for source in (tmp_path / "ckpt", hf):
+        assert (logits_in_process(source, tmp_path / "tokens.pt") - ref).abs().max().item() <= TOL, source
+
+
 def _without_hf_config(src: Path, ckpt: Path) -> Path:
     """A copy of checkpoint ``src`` whose loong.json records no source HF config.json."""
     ckpt.mkdir()

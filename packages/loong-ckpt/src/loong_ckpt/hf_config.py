@@ -82,6 +82,10 @@ def _mla_fields(k: _Keys) -> dict[str, Any]:
     k.need("attention_bias", False, False)
     # megatron's MLA rotates de-interleaved rope dims, which is HF's rope_interleave=True
     k.need("rope_interleave", True, True, "megatron's MLA applies RoPE to interleaved rope dims")
+    if k.hf.get("q_lora_rank") is None:
+        # the mapping has the rule (q_proj -> linear_q_proj), but loong_models' MLA layer spec always
+        # adds the query-latent norm, which megatron refuses without a query latent
+        raise k.fail("q_lora_rank", "MLA without a query latent (q_proj) does not build in loong_models yet")
     mla = MLAConfig(
         q_lora_rank=k.hf.get("q_lora_rank"),
         kv_lora_rank=k.hf["kv_lora_rank"],
@@ -342,7 +346,7 @@ def write_model_yaml(cfg: FoundationConfig, configs_dir: Path, name: str) -> tup
         f"# {name}: converted by loong-convert hf-to-mcore\ndefaults:\n  - foundation: {name}\n  - _self_\n"
     )
     # every moe: field, the training knobs (balancing loss, capacity) included: train reads this file
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k in ARCH_FIELDS and v is not None}
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k in ARCH_FIELDS}
     fields["make_vocab_size_divisible_by"] = cfg.make_vocab_size_divisible_by
     found_yaml = model_dir / "foundation" / f"{name}.yaml"
     found_yaml.write_text(f"# {name} (derived from its HF config.json)\n" + OmegaConf.to_yaml(fields))
