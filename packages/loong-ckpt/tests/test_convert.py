@@ -284,3 +284,21 @@ def test_bf16_output(converted, tmp_path):
     a, b = _hf_tensors(c.hf), _hf_tensors(tmp_path / "hf")
     for k in a:
         assert b[k].dtype == torch.bfloat16 and torch.equal(b[k], a[k].to(torch.bfloat16)), k
+
+
+def test_moe_bf16_keeps_the_expert_bias_fp32(converted, tmp_path):
+    """Megatron keeps the router's expert bias in fp32 (it accumulates tiny updates): a bf16
+    conversion stores it fp32 and exports it fp32; everything else is bf16."""
+    from loong_ckpt import hf_to_mcore, mcore_to_hf
+    from loong_ckpt.mcore_io import read_metadata
+
+    c = converted("deepseek-v3")
+    hf_to_mcore(c.hf, tmp_path / "ckpt", dtype="bf16", progress=False)
+    dtypes = {k: v.properties.dtype for k, v in read_metadata(tmp_path / "ckpt").items()}
+    assert dtypes["decoder.layers.1.mlp.router.expert_bias"] == torch.float32
+    assert dtypes["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"] == torch.bfloat16
+    mcore_to_hf(tmp_path / "ckpt", tmp_path / "hf", progress=False)
+    a, b = _hf_tensors(c.hf), _hf_tensors(tmp_path / "hf")
+    for k in a:
+        want = torch.float32 if k.endswith("e_score_correction_bias") else torch.bfloat16
+        assert b[k].dtype == want and torch.equal(b[k], a[k].to(want)), k
