@@ -144,3 +144,10 @@ def moe_cfg(**kw) -> FoundationConfig:
 def test_bad_moe_configs_name_the_key(config, message):
     with pytest.raises(ValueError, match=message):
         config().validate()
+
+
+def test_moe_act_recompute_needs_grouped_gemm_experts():
+    f = load_model_config("qwen3-moe-tiny").foundation
+    f.recompute, f.recompute_modules = "selective", ["moe_act"]
+    with pytest.raises(ValueError, match=r"'moe_act' needs grouped-GEMM experts \(model.layer_backend=te\)"):
+        build_transformer_config(f, moe_grouped_gemm=False)

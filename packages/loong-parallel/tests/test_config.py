@@ -58,6 +58,7 @@ MOE = dict(num_experts=8, expert_ffn_hidden_size=32, has_shared_experts=False)
         (ParallelConfig(ep=4, pp=2), 4, MOE,
          r"world size 4 is not divisible by parallel.etp x parallel.ep x parallel.pp = 1 x 4 x 2 = 8"),
         (ParallelConfig(ep=2, tp=2), 2, MOE, r"parallel.etp x parallel.ep x parallel.pp = 2 x 2 x 1 = 4 \(etp defaults"),
+        (ParallelConfig(ep=2, tp=2, etp=1), 2, MOE, r"parallel.ep > 1 with parallel.tp > 1 needs parallel.sequence_parallel=true"),
         (ParallelConfig(moe_token_dispatcher="flex"), 1, MOE, r"moe_token_dispatcher='flex'; allowed: alltoall, allgather"),
         (ParallelConfig(moe_shared_expert_overlap=True), 1, MOE, r"moe_shared_expert_overlap=true but the model has no shared"),
         (ParallelConfig(moe_shared_expert_overlap=True, moe_token_dispatcher="allgather"), 1,
@@ -74,7 +75,9 @@ def test_moe_layouts_that_cannot_work_name_the_key(pcfg, world, moe, message):
 
 
 def test_valid_moe_layouts_pass():
-    ParallelConfig(ep=2, tp=2, etp=1).validate(2, 16, 32, 8, **MOE)  # experts: 2 (ep) x 1 dp; dense: 2 (tp)
+    ParallelConfig(ep=2, tp=2, etp=1, sequence_parallel=True).validate(
+        2, 16, 32, 8, **MOE
+    )  # experts: 2 (ep) x 1 dp; dense: 2 (tp)
     ParallelConfig(ep=2, pp=2, vpp=2, moe_a2a_overlap=True).validate(4, 16, 32, 8, **MOE)
     ParallelConfig(ep=8, tp=1).validate(8, 16, 32, 8, **MOE)
 

@@ -118,11 +118,14 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         )
 
     backend = resolve_backend(cfg.model.layer_backend, accel.device_type)
-    tconfig = build_transformer_config(
-        f,
-        **runtime_transformer_fields(cfg.parallel, dtype=dtype, device_type=accel.device_type),
-        **fusion_fields(backend),
-    )
+    try:  # the layout and layer backend decide the rest (CUDA-only options, grouped-GEMM experts)
+        tconfig = build_transformer_config(
+            f,
+            **runtime_transformer_fields(cfg.parallel, dtype=dtype, device_type=accel.device_type),
+            **fusion_fields(backend),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
         return build_model(cfg.model, tconfig, device_type=accel.device_type, pre_process=pre_process,
@@ -136,7 +139,9 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     if cfg.resume and resumed is None and is_main:
         logger.warning("resume=true but %s holds no complete checkpoint: starting from scratch", ckpt_root)
     if resumed is not None:
-        info, rng = load_checkpoint(resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel))
+        info, rng = load_checkpoint(
+            resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel)
+        )
         if rng is not None:
             _set_rng_state(accel, rng)
         start_step = info.step
@@ -159,7 +164,11 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     flops_per_token = 6 * n_active + 6 * f.num_layers * f.hidden_size * cfg.data.seq_length
     peak = accel.peak_flops(dtype)
     if is_main:
-        moe = f"{n_active / 1e6:.1f}M active, {f.moe.num_experts} experts top-{f.moe.router_topk}, " if f.moe else ""
+        moe = (
+            f"{n_active / 1e6:.1f}M active, {f.moe.num_experts} experts top-{f.moe.router_topk}, "
+            if f.moe
+            else ""
+        )
         experts = f" | experts: ep {cfg.parallel.ep} x etp {cfg.parallel.expert_tp}" if f.moe else ""
         logger.info(
             "model %s (%.1fM params, %s%s layers) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d%s | "
@@ -170,10 +179,12 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         )  # fmt: skip
 
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    sched = dict(num_microbatches=num_microbatches, seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size)
+    sched = dict(
+        num_microbatches=num_microbatches, seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size
+    )
     b = cfg.data.balance
     balancer = build_balancer(
-        num_parameters=n_params, num_layers=f.num_layers, attention_width=f.num_attention_heads * f.head_dim,
+        num_parameters=n_active, num_layers=f.num_layers, attention_width=f.num_attention_heads * f.head_dim,
         group=mpu.get_data_parallel_group(), device=device, min_imbalance=b.min_imbalance,
         max_tokens=b.max_tokens_per_rank, refit=b.refit, warmup_steps=b.refit_warmup_steps,
         interval=b.refit_interval, window=b.refit_window,
@@ -211,7 +222,9 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
 
     def export(step: int, checkpoint: Path) -> Path:
         tok = Path(data.tokenizer.path)
-        return export_hf(checkpoint, out_dir / "hf" / f"step_{step:08d}", tokenizer=tok if tok.is_dir() else tok.parent)
+        return export_hf(
+            checkpoint, out_dir / "hf" / f"step_{step:08d}", tokenizer=tok if tok.is_dir() else tok.parent
+        )
 
     bar = progress_bar(t.steps, start_step, enabled=is_main and t.progress)
     window_t0, window_tokens, window_steps = time.perf_counter(), 0, 0
@@ -244,7 +257,11 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             if router_stats:
                 moe_stats = router_stats.report(num_microbatches * window_steps, step)
                 record.update(moe_stats)
-                postfix = {k.removeprefix("moe_"): f"{v:.3g}" for k, v in moe_stats.items() if not isinstance(v, list)}
+                postfix = {
+                    k.removeprefix("moe_"): f"{v:.3g}"
+                    for k, v in moe_stats.items()
+                    if not isinstance(v, list)
+                }
             if peak:
                 record["mfu"] = flops_per_token * tps / world_size / peak
             mem = accel.memory_stats()
@@ -276,7 +293,11 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
 def _rng_state(accel: Accelerator) -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {"cpu": torch.get_rng_state(), "device": accel.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    return {
+        "cpu": torch.get_rng_state(),
+        "device": accel.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
 
 
 def _set_rng_state(accel: Accelerator, state: dict) -> None:

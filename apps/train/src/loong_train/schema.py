@@ -77,6 +77,12 @@ def validate(cfg: Config, world_size: int) -> int:
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    inside_moe = {"expert_fc1", "moe_act"} & set(cfg.parallel.offload_activations)
+    if inside_moe and "moe" in (f.recompute_modules or []):
+        raise ConfigError(
+            f"parallel.offload_activations {sorted(inside_moe)} lie inside the MoE layer that "
+            "model.foundation.recompute_modules=[moe] recomputes; drop one of them (megatron's rule)"
+        )
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r}; allowed: {', '.join(DTYPES)}")
     if t.steps < 0:

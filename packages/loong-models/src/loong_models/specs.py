@@ -4,6 +4,12 @@ CUDA with Transformer Engine installed: megatron-core's TE layer spec (fused nor
 TE/cuDNN attention). Everywhere else: megatron-core's local modules with :class:`SDPAttention`
 as core attention (no materialised attention matrix) and loong-kernels' RMSNorm.
 
+Mixture-of-Experts layers (``num_moe_experts`` set) keep megatron's MoE spec of the backend:
+TE's grouped-GEMM experts (``TEGroupedMLP``, ``moe_grouped_gemm`` from :func:`fusion_fields`)
+with TE, megatron's ``SequentialMLP`` locally; router, shared experts and token dispatcher are
+megatron's. MLA without sparse attention (DeepSeek-V3) is megatron's ``MLASelfAttention``; on
+the local backend with :class:`SDPAttention` and Loong's RMSNorm for its latent norms.
+
 DeepSeek sparse attention (MLA config with ``dsa_indexer_topk`` set), on either backend:
 megatron's ``AbsorbedMLASelfAttention`` (the backend's linears) with Loong's
 :class:`DSAttention` as core attention (loong-kernels: TileLang on CUDA, torch elsewhere) and

@@ -124,6 +124,11 @@ class ParallelConfig:
                 f"world size {world_size} is not divisible by parallel.etp x parallel.ep x parallel.pp = "
                 f"{self.expert_tp} x {self.ep} x {self.pp} = {expert_mp} (etp defaults to tp)"
             )
+        if self.ep > 1 and self.tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                "parallel.ep > 1 with parallel.tp > 1 needs parallel.sequence_parallel=true (megatron: expert "
+                "parallelism beside tensor parallelism must use sequence parallelism)"
+            )
         if self.moe_shared_expert_overlap:
             if not has_shared:
                 raise ValueError(

@@ -54,7 +54,9 @@ class RouterStats:
             return
         _, routing_map = output
         with torch.no_grad():
-            self.counts[router.layer_number - 1] += routing_map.reshape(-1, self.num_experts).sum(0).to(self.counts)
+            self.counts[router.layer_number - 1] += (
+                routing_map.reshape(-1, self.num_experts).sum(0).to(self.counts)
+            )
 
     def report(self, microbatches: int, step: int) -> dict[str, float | list[int]]:
         """Collective over all ranks (every rank must call it): the statistics since the last call,

@@ -101,6 +101,22 @@ def _host_copy_of(accel: Accelerator):
     return maybe_move_tensor_to_cpu
 
 
+def _recompute_context_of(accel: Accelerator):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    original = mrandom._fork_rng
+
+    @contextlib.contextmanager
+    def _fork_rng():
+        # torch runs the backward pass inside the device mode's handler of Tensor.backward, where
+        # that mode is off: forwards recomputed there (activation checkpointing) would see CUDA
+        # devices again. megatron wraps every recomputation in _fork_rng, so enter the mode there.
+        with original(), _DeviceRedirectMode(accel):
+            yield
+
+    return _fork_rng
+
+
 MANIFEST: tuple[Patch, ...] = (
     Patch(
         "torch.cuda:current_device",
@@ -225,6 +241,12 @@ MANIFEST: tuple[Patch, ...] = (
         "the MoE all-to-all dispatcher turns its split sizes into host numpy arrays only for CUDA "
         "tensors; elsewhere all_to_all_single receives tensors as split sizes and fails (EP > 1)",
         _host_copy_of,
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.random:_fork_rng",
+        "activation recompute runs forwards during backward, outside the device-argument rewrite "
+        "(e.g. the MoE router's .to(device=torch.cuda.current_device())); recomputation enters it again",
+        _recompute_context_of,
     ),
     Patch(
         "torch.cuda:memory_allocated",

@@ -51,6 +51,12 @@ def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> Transform
             arch.update(recompute_modules=list(cfg.recompute_modules))
     if cfg.moe is not None:
         arch.update(moe_fields(cfg))
+    if "moe_act" in (cfg.recompute_modules or []) and not runtime.get("moe_grouped_gemm"):
+        # megatron recomputes the expert activation only inside its grouped-GEMM experts
+        raise ValueError(
+            "model.foundation.recompute_modules: 'moe_act' needs grouped-GEMM experts (model.layer_backend=te); "
+            "on the local backend use 'moe'"
+        )
     if cfg.mla is None:
         return TransformerConfig(**{**arch, **cfg.extra, **runtime})
     return _mla_transformer_config(cfg, {**arch, **cfg.extra, **runtime})
