@@ -22,16 +22,17 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 
-def loong_logits(source: str | Path, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Build the model for this rank (megatron groups must exist), load ``source``, run ``tokens``.
-    Returns the logits on TP rank 0 of the last stage, None elsewhere."""
+def loong_logits(source: str | Path, tokens: torch.Tensor, backend: str = "local") -> torch.Tensor | None:
+    """Build the model for this rank (megatron groups must exist) with the ``backend`` layer spec on
+    ``tokens``' device, load ``source``, run ``tokens``. Returns the logits on TP rank 0 of the last
+    stage, None elsewhere."""
     from megatron.core import parallel_state as mpu
 
     from loong_ckpt.hf_config import foundation_from_dict
     from loong_ckpt.hf_io import is_hf_dir
     from loong_ckpt.online import load_hf_weights, read_hf_foundation
     from loong_ckpt.training import load_checkpoint, read_checkpoint_info
-    from loong_models import build_foundation, build_transformer_config
+    from loong_models import build_foundation, build_transformer_config, fusion_fields
 
     tp, pp = mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()
     ep = mpu.get_expert_model_parallel_world_size()
@@ -42,10 +43,13 @@ def loong_logits(source: str | Path, tokens: torch.Tensor) -> torch.Tensor | Non
         cfg = foundation_from_dict(read_checkpoint_info(source).meta["foundation"])
     tconfig = build_transformer_config(
         cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        **({"expert_model_parallel_size": ep} if cfg.moe is not None else {}), use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        **({"expert_model_parallel_size": ep} if cfg.moe is not None else {}),
+        **(fusion_fields(backend) if backend == "te" else {}),  # TE's grouped-GEMM experts, fused ops
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
     )  # fmt: skip
     first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
-    model = build_foundation(cfg, tconfig, layer_backend="local", pre_process=first, post_process=last)
+    model = build_foundation(cfg, tconfig, layer_backend=backend, pre_process=first, post_process=last)
+    model.to(tokens.device)
     if online:
         load_hf_weights(source, [model], cfg)
     else:
