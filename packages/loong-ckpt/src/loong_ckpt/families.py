@@ -1,9 +1,10 @@
 """Per-family mappings: declarations only, registered against loong_models' family names.
 
 Adding a family means adding a :class:`FamilyMapping` to :data:`MAPPINGS` (and the family itself to
-``loong_models.FAMILIES``). Rules whose megatron key the model does not have (e.g. ``output_layer``
-of a model with tied embeddings, QKV bias of a family without one) are skipped, so a family can
-list everything its variants may hold.
+``loong_models.FAMILIES``). Tensors only some variants have carry a ``when=`` predicate on the
+config (``output_layer`` without tied embeddings, shared experts, the expert bias), tensors only
+some layers have an ``on_layer=`` one (dense MLP on the first k layers, router and experts on the
+rest); the converter checks that the applicable rules cover the built model exactly.
 """
 
 from __future__ import annotations
