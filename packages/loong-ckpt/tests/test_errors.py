@@ -172,7 +172,7 @@ def _edit_config(src: Path, dst: Path, **changes) -> Path:
         ("qwen3-moe", {"norm_topk_prob": False}, "norm_topk_prob=False is not supported for qwen3-moe"),
         ("qwen3-moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\].*only the first k layers may be dense"),
         ("deepseek-v3", {"rope_interleave": False}, "rope_interleave=False is not supported for deepseek-v3"),
-        ("deepseek-v3", {"q_lora_rank": None}, "q_lora_rank=None is not supported for deepseek-v3: MLA without a query"),
+        ("deepseek-v3", {"q_lora_rank": None}, "q_lora_rank=None is not supported for deepseek-v3: MLA without a query latent builds"),
         ("deepseek-v3", {"topk_group": 2}, "topk_group=2 .*num_experts_per_tok / topk_group must be 2"),
         ("deepseek-v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
          "rope type 'yarn' is not supported; allowed: default"),

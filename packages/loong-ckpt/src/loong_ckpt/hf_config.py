@@ -83,9 +83,9 @@ def _mla_fields(k: _Keys) -> dict[str, Any]:
     # megatron's MLA rotates de-interleaved rope dims, which is HF's rope_interleave=True
     k.need("rope_interleave", True, True, "megatron's MLA applies RoPE to interleaved rope dims")
     if k.hf.get("q_lora_rank") is None:
-        # the mapping has the rule (q_proj -> linear_q_proj), but loong_models' MLA layer spec always
-        # adds the query-latent norm, which megatron refuses without a query latent
-        raise k.fail("q_lora_rank", "MLA without a query latent (q_proj) does not build in loong_models yet")
+        # the mapping has the rule (q_proj -> linear_q_proj), but loong_models builds MLA without a
+        # query latent with the TE spec only, and conversion builds the local one
+        raise k.fail("q_lora_rank", "MLA without a query latent builds in loong_models with the TE spec only")
     mla = MLAConfig(
         q_lora_rank=k.hf.get("q_lora_rank"),
         kv_lora_rank=k.hf["kv_lora_rank"],
