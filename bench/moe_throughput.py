@@ -76,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=4, help="processes (GPUs) of each torchrun job")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: --gpus)")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (cosine to lr / 10)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--device", default="cuda", help="LOONG_DEVICE of the runs (cpu: smoke-test this script)")
@@ -98,6 +99,10 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         f"train.dtype={args.dtype}", "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false",
         "train.progress=false", f"train.output_dir={out}", f"data.cache_dir={out.parent}/data",
         f"optim.warmup_steps={args.warmup}", f"parallel.ep={args.ep}", "parallel.distributed_optimizer=true",
+        # a learning rate of this model size: the app's default (3e-3, tuned for the 5M-parameter default
+        # job) collapses the random router onto 8 experts within a few steps (load imbalance 16 on an
+        # H200 run), which would measure one busy EP rank instead of expert parallelism
+        f"optim.lr={args.lr}", f"optim.min_lr={args.lr / 10}",
         *VARIANTS[variant], *args.extra,
     ]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
@@ -119,7 +124,11 @@ def run_variant(args, variant: str, workdir: Path, f) -> Result:
     step_s = statistics.median(r["step_time_s"] for r in train)
     tps = args.mbs * args.microbatches * args.gpus * args.seq / step_s / args.gpus
     imbalance = statistics.mean(r.get("moe_load_imbalance", float("nan")) for r in train)
-    print(f"   median step {step_s:.3f}s, load imbalance (max/mean) {imbalance:.2f}", flush=True)
+    first = [round(r.get("moe_load_imbalance", float("nan")), 2) for r in rows[:3]]
+    print(
+        f"   median step {step_s:.3f}s, load imbalance (max/mean) {imbalance:.2f} (first steps {first})",
+        flush=True,
+    )
     return Result(variant, step_s, tps, mfu(f, args.seq, tps), max(r["peak_mem_gib"] for r in train))
 
 
