@@ -8,6 +8,7 @@ from loong_models.foundation import (
     build_transformer_config,
     get_family,
 )
+from loong_models.lora import LoraConfig, apply_lora
 from loong_models.model import ModelConfig, build_model, load_model_config, to_model_config, zoo_names
 from loong_models.packed_seq import packed_seq_params
 from loong_models.specs import decoder_block_spec, fusion_fields, resolve_backend
@@ -16,8 +17,10 @@ __version__ = "0.1.0"
 __all__ = [
     "FAMILIES",
     "FoundationConfig",
+    "LoraConfig",
     "ModelConfig",
     "RopeScaling",
+    "apply_lora",
     "build_foundation",
     "build_model",
     "build_transformer_config",

@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from omegaconf import OmegaConf
 
 from loong_models.foundation import FoundationConfig, build_foundation
+from loong_models.lora import LoraConfig, apply_lora
 from loong_models.specs import resolve_backend
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -20,6 +21,8 @@ class ModelConfig:
     foundation: FoundationConfig = field(default_factory=FoundationConfig)
     # Which layer implementations to use: auto (TE on CUDA when installed, else local), te, local.
     layer_backend: str = "auto"
+    # Low-rank adapters (null = off): freezes the adapted components' base weights.
+    lora: LoraConfig | None = None
 
 
 def zoo_names() -> list[str]:
@@ -44,6 +47,8 @@ def to_model_config(raw) -> ModelConfig:
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw)
     cfg: ModelConfig = OmegaConf.to_object(merged)
     cfg.foundation.validate()
+    if cfg.lora is not None:
+        cfg.lora.validate()
     return cfg
 
 
@@ -56,8 +61,8 @@ def build_model(
     post_process: bool = True,
     vp_stage: int | None = None,
 ):
-    """Build this rank's pipeline stage of the model described by ``cfg``."""
-    return build_foundation(
+    """Build this rank's pipeline stage of the model described by ``cfg`` (with its LoRA adapters)."""
+    model = build_foundation(
         cfg.foundation,
         config,
         layer_backend=resolve_backend(cfg.layer_backend, device_type),
@@ -65,3 +70,6 @@ def build_model(
         post_process=post_process,
         vp_stage=vp_stage,
     )
+    if cfg.lora is not None:
+        apply_lora({"foundation": model}, cfg.lora)
+    return model
