@@ -130,9 +130,16 @@ def test_lora_needs_init_from_and_align_needs_something_to_train(run_train):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]],
-                         ids=["tp2", "tp2-sp"])  # fmt: skip
-def test_lora_at_tp2_equals_tp1(base_and_lora, layout):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=2"],
+        ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ["parallel.distributed_optimizer=true"],
+    ],
+    ids=["tp2", "tp2-sp", "dp2-distopt"],
+)
+def test_lora_at_two_processes_equals_one(base_and_lora, layout):
     run, base_ckpt, lora = base_and_lora
     name = "-".join(x.split(".")[-1] for x in layout)
     two = run([*LORA, f"train.steps={STEPS}", f"train.init_from={base_ckpt}", "train.export_hf=true", *layout],
