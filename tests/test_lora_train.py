@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import env_for_train
 
 from loong_xpu.testing import megatron_cpu  # noqa: F401  (fixture: a one-process megatron world)
 
@@ -134,14 +137,15 @@ def test_merged_export_equals_the_model_with_adapters(base_and_lora, megatron_cp
 def test_lora_on_an_hf_base_exports_merged_weights(runner_factory, tmp_path_factory, megatron_cpu):  # noqa: F811
     from hf_models import make_hf_model  # packages/loong-ckpt/tests (root pytest pythonpath)
 
-    from loong_ckpt import hf_to_mcore
     from loong_ckpt.online import load_hf_weights
 
     base = tmp_path_factory.mktemp("lora-hf")
     hf = make_hf_model(base / "tiny-qwen2", "qwen2", vocab=8192)  # Q/K/V biases, untied head
-    res = hf_to_mcore(hf, base / "converted", progress=False)  # for its model YAML
+    # for its model YAML; in a subprocess: this one already holds a megatron world
+    subprocess.run([sys.executable, "-m", "loong_ckpt.cli", "hf-to-mcore", str(hf), str(base / "conv"), "--no-progress"],
+                   check=True, env=env_for_train())  # fmt: skip
     run = runner_factory(base)
-    out = run([f"hydra.searchpath=[file://{res.path}/configs]", f"model={res.model_name}", *LORA, "train.steps=3",
+    out = run([f"hydra.searchpath=[file://{base / 'conv'}/configs]", "model=tiny-qwen2", *LORA, "train.steps=3",
                f"train.init_from={hf}", "train.export_hf=true"], name="lora-hf").check()  # fmt: skip
     ckpt = out.out_dir / "checkpoints" / "step_00000003"
     model, f = _model_with_adapters(ckpt, lambda m, f: load_hf_weights(hf, [m], f))
