@@ -12,8 +12,14 @@ from loong_train.packing_config import BalanceConfig, ThdConfig, validate_packin
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
+DATA_KINDS = ("text", "chat")
+
+
 @dataclass
 class DataConfig:
+    # text: plain text corpora (pre-training); chat: JSONL conversations ({"messages": [...]}) through
+    # a chat template, loss on the assistant's tokens only (SFT); sources [] = the bundled Shakespeare QA
+    kind: str = "text"
     # .txt files / folders of .txt / .jsonl ({"text": ...}); empty = the bundled Shakespeare corpus
     sources: list[str] = field(default_factory=list)
     tokenizer: str | None = None  # tokenizer.json or an HF folder; None = the bundled BPE
@@ -68,6 +74,8 @@ def validate(cfg: Config, world_size: int) -> int:
     t, f = cfg.train, cfg.model.foundation
     try:
         f.validate()
+        if cfg.model.lora is not None:
+            cfg.model.lora.validate()
         cfg.optim.validate()
         moe = f.moe
         cfg.parallel.validate(
@@ -85,6 +93,9 @@ def validate(cfg: Config, world_size: int) -> int:
         )
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r}; allowed: {', '.join(DTYPES)}")
+    if cfg.model.lora is not None and not t.init_from:
+        raise ConfigError("model.lora needs train.init_from: the base weights the adapters train on "
+                          "(a Loong checkpoint or an HF directory)")  # fmt: skip
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0 (0 saves the initial weights)")
     if t.export_hf_interval < 0:
@@ -107,6 +118,10 @@ def validate(cfg: Config, world_size: int) -> int:
             f"x data-parallel size = {t.micro_batch_size} x {dp} = {per_step}"
         )
     d = cfg.data
+    if d.kind not in DATA_KINDS:
+        raise ConfigError(f"data.kind={d.kind!r}; allowed: {', '.join(DATA_KINDS)}")
+    if d.kind == "chat" and d.packing != "fixed":
+        raise ConfigError("data.kind=chat trains one conversation per data.seq_length row: use data.packing=fixed")
     for error in validate_packing(
         d.packing,
         d.thd,

@@ -27,10 +27,11 @@ from loong_ckpt.hf_config import (
     foundation_to_dict,
     from_hf_config,
     model_name,
+    same_architecture,
     to_hf_config,
     write_model_yaml,
 )
-from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files
+from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
 from loong_ckpt.log import logger
 from loong_ckpt.mapping import Rule, Unit, layer_key, locate, units
 from loong_ckpt.mcore_io import Chunk, model_template, read_metadata, read_regions, write_checkpoint
@@ -292,15 +293,58 @@ def mcore_to_hf(
     progress: bool = True,
     max_shard_bytes: int = 2 * 2**30,
 ) -> ConvertResult:
-    """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``."""
+    """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``.
+    A LoRA checkpoint (adapters only) is merged into the base weights it names (``W + s * B @ A``):
+    the output is a plain model."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     check_output_dir(out, force)
     if src.name.endswith(PARTIAL_SUFFIX):
         raise ConversionError(f"{src} is an incomplete checkpoint (interrupted save); it cannot be converted")
     cfg, meta = _checkpoint_foundation(src, foundation)
-    stored = read_metadata(src)
+    lora = meta.get("lora")
+    base = _lora_base(src, lora) if lora else src
     rules = [r for r in get_mapping(cfg.family).rules if r.applies(cfg)]
+    out_dtype = parse_dtype(dtype)
+    if is_hf_dir(base):  # a LoRA run that started from HF weights
+        plan_u, plan, final_dtype, read_group = _hf_base(base, cfg, rules, out_dtype)
+    else:
+        plan_u, plan, final_dtype, read_group = _mcore_base(base, cfg, rules, out_dtype)
+    merge = _LoraMerge(src, lora) if lora else None
+    tok_src = tokenizer or base
+    with atomic_output_dir(out, force) as tmp:
+        writer = SafetensorsWriter(tmp, plan, max_shard_bytes)
+        bar = tqdm(total=len(plan), unit="tensor", desc="mcore-to-hf", disable=not progress)
+        try:
+            # One read per group: the non-layer tensors, each layer's own tensors, each of its experts.
+            for group in _consecutive(plan_u):
+                buffers = read_group(group)
+                if merge:
+                    merge(buffers, group)
+                for u in group:
+                    keep = u.rule.dtype is not None or out_dtype is None
+                    for n, t in zip(u.rule.hf_names(u.layer, u.expert), u.rule.to_hf(buffers[u.key], cfg)):
+                        writer.write(n, t if keep else t.to(out_dtype))
+                        bar.update(1)
+            writer.close()
+        finally:
+            writer.abort()
+            bar.close()
+        if merge:
+            merge.check_all_merged()
+        hf_cfg = to_hf_config(cfg, final_dtype, meta.get("hf_config"))
+        copy_tokenizer_files(tok_src, tmp)
+        _write_atomic(tmp / CONFIG_FILE, json.dumps(hf_cfg, indent=2) + "\n")
+    res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(plan))
+    logger.info(
+        "wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(plan), res.seconds, res.peak_rss_mib
+    )
+    return res
+
+
+def _mcore_base(src: Path, cfg: FoundationConfig, rules: list[Rule], out_dtype):
+    """(units, HF write plan, output dtype, group -> {key: tensor}) for a megatron checkpoint."""
+    stored = read_metadata(src)
     plan_u = plan_units(rules, cfg, stored, f"{src} does not match its model config;")
     unit_shapes: dict[str, tuple[int, ...]] = {}
     for u in plan_u:
@@ -313,38 +357,89 @@ def mcore_to_hf(
                 + f" of the model config ({cfg.num_layers} layers)"
             )
         unit_shapes[u.key] = shape[len(u.prefix) :]
-    out_dtype = parse_dtype(dtype)
     plan = []
     for u in plan_u:
         dt = out_dtype if out_dtype is not None and u.rule.dtype is None else stored[u.key].properties.dtype
         for n, sh in zip(u.rule.hf_names(u.layer, u.expert), u.rule.hf_shapes(unit_shapes[u.key], cfg)):
             plan.append((n, sh, dt))
     final_dtype = out_dtype or stored[plan_u[0].key].properties.dtype
-    tok_src = tokenizer or src
-    with atomic_output_dir(out, force) as tmp:
-        writer = SafetensorsWriter(tmp, plan, max_shard_bytes)
-        bar = tqdm(total=len(plan), unit="tensor", desc="mcore-to-hf", disable=not progress)
-        try:
-            # One read per group: the non-layer tensors, each layer's own tensors, each of its experts.
-            for group in _consecutive(plan_u):
-                buffers = _read_units(src, group, unit_shapes, stored)
-                for u in group:
-                    keep = u.rule.dtype is not None or out_dtype is None
-                    for n, t in zip(u.rule.hf_names(u.layer, u.expert), u.rule.to_hf(buffers[u.key], cfg)):
-                        writer.write(n, t if keep else t.to(out_dtype))
-                        bar.update(1)
-            writer.close()
-        finally:
-            writer.abort()
-            bar.close()
-        hf_cfg = to_hf_config(cfg, final_dtype, meta.get("hf_config"))
-        copy_tokenizer_files(tok_src, tmp)
-        _write_atomic(tmp / CONFIG_FILE, json.dumps(hf_cfg, indent=2) + "\n")
-    res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(plan))
-    logger.info(
-        "wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(plan), res.seconds, res.peak_rss_mib
-    )
-    return res
+    return plan_u, plan, final_dtype, (lambda group: _read_units(src, group, unit_shapes, stored))
+
+
+def _hf_base(src: Path, cfg: FoundationConfig, rules: list[Rule], out_dtype):
+    """The same for an HF directory (LoRA base weights), read and mapped to megatron's layout.
+    Units are keyed as a uniform decoder stores them (stacked layers)."""
+    reader = HFReader(src)
+    if not same_architecture(from_hf_config(reader.config, str(src / CONFIG_FILE)), cfg):
+        raise ConversionError(f"{src / CONFIG_FILE} (the LoRA base) describes a different model than the checkpoint")
+    plan_u = [Unit(r, layer, expert, r.mcore, tuple(i for i in (layer, expert) if i is not None))
+              for r, layer, expert in units(rules, cfg)]  # fmt: skip
+    plan = []
+    for u in plan_u:
+        for n in u.rule.hf_names(u.layer, u.expert):
+            if n not in reader:
+                raise ConversionError(f"{src}: tensor {n} (for megatron key {u.rule.mcore}) is missing")
+            dt = out_dtype if out_dtype is not None and u.rule.dtype is None else reader.info(n).dtype
+            plan.append((n, reader.shape(n), dt))
+    final_dtype = out_dtype or plan[0][2]
+    padded = cfg.padded_vocab_size()
+
+    def read_group(group: list[Unit]) -> dict[str, torch.Tensor]:
+        return {u.key: u.rule.to_mcore([reader.read(n) for n in u.rule.hf_names(u.layer, u.expert)], cfg, padded)
+                for u in group}  # fmt: skip
+
+    return plan_u, plan, final_dtype, read_group
+
+
+def _lora_base(src: Path, lora: dict) -> Path:
+    """The full weights a LoRA checkpoint's adapters were trained on (its ``train.init_from``)."""
+    base = Path(lora.get("base") or "")
+    if not lora.get("base") or not base.exists():
+        raise ConversionError(f"{src} holds LoRA adapters only; their base weights {lora.get('base')!r} "
+                              "(train.init_from of the run) do not exist")  # fmt: skip
+    if not is_hf_dir(base) and json.loads((base / META_FILE).read_text()).get("params", "all") != "all":
+        raise ConversionError(f"{src}: the LoRA base {base} is itself a partial (adapters-only) checkpoint")
+    return base
+
+
+class _LoraMerge:
+    """Adds ``scale * B @ A`` of a LoRA checkpoint to the base tensors it adapts, group by group.
+    An adapter pair is stored like its base weight (same key stem, same stacked layer axis)."""
+
+    def __init__(self, src: Path, lora: dict) -> None:
+        self.src, self.scale = src, float(lora["alpha"]) / int(lora["rank"])
+        self.stored = read_metadata(src)
+        # model tensors only: the optimizer's moments of the adapters share the suffixes
+        self.adapted = {k.removesuffix(".lora_a") for k in self.stored if k.endswith(".lora_a")
+                        and not k.startswith("optimizer.")}  # fmt: skip
+        self.merged: set[str] = set()
+
+    def __call__(self, buffers: dict[str, torch.Tensor], group: list[Unit]) -> None:
+        regions, targets = {}, []
+        for u in group:
+            stem = u.key.removesuffix(".weight")
+            if u.expert is not None or stem == u.key or stem not in self.adapted:
+                continue
+            targets.append((u, stem))
+            for k in (stem + ".lora_a", stem + ".lora_b"):
+                meta, n = self.stored[k], len(u.prefix)
+                shape = tuple(meta.size)
+                regions[k] = (u.prefix + (0,) * (len(shape) - n),
+                              torch.empty(*(1,) * n, *shape[n:], dtype=meta.properties.dtype))  # fmt: skip
+        read_regions(self.src, regions)
+        for u, stem in targets:
+            n = len(u.prefix)
+            a, b = (regions[stem + s][1].reshape(regions[stem + s][1].shape[n:]) for s in (".lora_a", ".lora_b"))
+            w = buffers[u.key]
+            if (b.shape[0], a.shape[1]) != tuple(w.shape):
+                raise ConversionError(f"{self.src}: LoRA {stem} is {tuple(b.shape)} @ {tuple(a.shape)}, "
+                                      f"the base weight {tuple(w.shape)}")  # fmt: skip
+            buffers[u.key] = (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
+            self.merged.add(stem)
+
+    def check_all_merged(self) -> None:
+        if missed := sorted(self.adapted - self.merged):
+            raise ConversionError(f"{self.src}: LoRA adapters without a base weight to merge into: {missed}")
 
 
 def _consecutive(plan: list[Unit]) -> Iterator[list[Unit]]:

@@ -18,6 +18,7 @@ from loong_models.image_projector import (
     ImageProjectorConfig,
     build_projector_transformer_config,
 )
+from loong_models.lora import LoraConfig, apply_lora
 from loong_models.omni import OmniCombinationModel, VisionTokenIds
 from loong_models.specs import resolve_backend
 
@@ -40,6 +41,8 @@ class ModelConfig:
     tokens_per_second: float = 2.0
     # Which layer implementations to use: auto (TE on CUDA when installed, else local), te, local.
     layer_backend: str = "auto"
+    # Low-rank adapters (null = off): freezes the adapted components' base weights.
+    lora: LoraConfig | None = None
 
     @property
     def is_multimodal(self) -> bool:
@@ -114,6 +117,8 @@ def to_model_config(raw) -> ModelConfig:
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw)
     cfg: ModelConfig = OmegaConf.to_object(merged)
     cfg.validate()
+    if cfg.lora is not None:
+        cfg.lora.validate()
     return cfg
 
 
@@ -160,7 +165,7 @@ def build_model(
         scatter_embedding_sequence_parallel=not cfg.is_multimodal,
     )
     if not cfg.is_multimodal:
-        return foundation
+        return _with_lora(cfg, foundation, {"foundation": foundation})
     enc_cfg, proj_cfg = cfg.image_encoder, cfg.image_projector
     assert enc_cfg is not None and proj_cfg is not None
     ftp = config.tensor_model_parallel_size
@@ -184,13 +189,23 @@ def build_model(
         )  # fmt: skip
         for module, component in ((encoder, enc_cfg), (projector, proj_cfg)):
             _apply_component_settings(module, component.freeze, replicated=etp < ftp)
-    return OmniCombinationModel(
+    model = OmniCombinationModel(
         config, foundation, encoder, projector,
         token_ids=VisionTokenIds(cfg.image_token_id, cfg.video_token_id),
         spatial_merge_size=enc_cfg.spatial_merge_size,
         mrope=cfg.foundation.mrope_section is not None,
         tokens_per_second=cfg.tokens_per_second,
     )  # fmt: skip
+    # encoder and projector: None on pipeline stages after the first
+    return _with_lora(cfg, model, {"foundation": foundation, "image_encoder": encoder, "image_projector": projector})
+
+
+def _with_lora(cfg: ModelConfig, model: torch.nn.Module, components: dict) -> torch.nn.Module:
+    """LoRA adapters on the components ``cfg.lora`` names (applied last: after the components'
+    own freeze / replication settings, whose flags the adapters inherit)."""
+    if cfg.lora is not None:
+        apply_lora(components, cfg.lora)
+    return model
 
 
 def _apply_component_settings(module: torch.nn.Module, freeze: bool, *, replicated: bool) -> None:
