@@ -12,42 +12,59 @@ gathered through the process group.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from loong_ckpt.families import get_mapping
-from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture
+from loong_ckpt.components import (
+    bind,
+    component_diff,
+    foundation_of,
+    is_composed,
+    model_from_hf,
+    naming_of,
+    same_model,
+)
+from loong_ckpt.hf_config import ConversionError
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, is_hf_dir
 from loong_ckpt.log import logger
 from loong_ckpt.training import _unwrap
 from loong_models import FoundationConfig
 
-__all__ = ["export_hf", "is_hf_dir", "load_hf_weights", "read_hf_foundation"]
+__all__ = ["export_hf", "is_hf_dir", "load_hf_weights", "read_hf_foundation", "read_hf_model"]
+
+
+def read_hf_model(path: str | Path) -> Any:
+    """The Loong config of an HF directory (from its config.json): a FoundationConfig for a text
+    family, a ModelConfig (image encoder, projector, foundation) for a composed architecture."""
+    return model_from_hf(HFReader.read_config(Path(path)), str(Path(path) / CONFIG_FILE))
 
 
 def read_hf_foundation(path: str | Path) -> FoundationConfig:
     """The foundation config of an HF directory (from its config.json)."""
-    reader_cfg = HFReader.read_config(Path(path))
-    return from_hf_config(reader_cfg, str(Path(path) / CONFIG_FILE))
+    return foundation_of(read_hf_model(path))
 
 
-def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: FoundationConfig) -> int:
-    """Load an HF directory's weights into this rank's model ``chunks`` (built for ``cfg``).
+def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Any) -> int:
+    """Load an HF directory's weights into this rank's model ``chunks`` (built for ``cfg``: a
+    FoundationConfig or a ModelConfig; a composed model needs its ModelConfig).
     Returns the number of parameters tensors loaded."""
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     reader = HFReader(path)
-    hf_cfg = from_hf_config(reader.config, str(Path(path) / CONFIG_FILE))
-    if not same_architecture(hf_cfg, cfg):
+    hf_cfg = model_from_hf(reader.config, str(Path(path) / CONFIG_FILE))
+    if not is_composed(cfg):
+        cfg = foundation_of(cfg)  # a text-only ModelConfig works too
+    if not same_model(hf_cfg, cfg):
         raise ConversionError(
-            f"{Path(path) / CONFIG_FILE} describes a different model than model.foundation: "
+            f"{Path(path) / CONFIG_FILE} describes a different model than the model config: "
             f"{_diff(hf_cfg, cfg)}"
         )
-    rules = get_mapping(cfg.family).by_mcore_key()
+    rules = {r.mcore: r for r in bind(cfg, naming_of(cfg, set(reader.tensors), str(path)))}
     tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
-    padded = cfg.padded_vocab_size(tp_size)
+    padded = foundation_of(cfg).padded_vocab_size(tp_size)
     loaded = 0
     for chunk in chunks:
         for name, entry in _unwrap(chunk).sharded_state_dict().items():
@@ -57,9 +74,9 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
             sh = entry.build()[0] if isinstance(entry, ShardedTensorFactory) else entry
             rule = rules.get(sh.key)
             if rule is None:
-                raise ConversionError(f"family {cfg.family}: no mapping rule for megatron key {sh.key} ({name})")
+                raise ConversionError(f"no mapping rule for megatron key {sh.key} ({name})")
             layer = sh.global_offset[0] if rule.layered else None
-            local = rule.tp_shard(reader, layer, cfg, tp_rank, tp_size, padded)
+            local = rule.tp_shard(reader, layer, tp_rank, tp_size, padded)
             if local.shape != data.shape:
                 raise ConversionError(
                     f"{path}: {', '.join(rule.hf_names(layer))} give {tuple(local.shape)} for {name}, "
@@ -72,9 +89,11 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
     return loaded
 
 
-def _diff(a: FoundationConfig, b: FoundationConfig) -> str:
+def _diff(a: Any, b: Any) -> str:
     from loong_ckpt.hf_config import ARCH_FIELDS
 
+    if is_composed(a) or is_composed(b):
+        return component_diff(a, b)
     diffs = [f"{k}: {getattr(a, k)!r} (HF) != {getattr(b, k)!r}" for k in ARCH_FIELDS if getattr(a, k) != getattr(b, k)]
     return "; ".join(diffs) or "head_dim / KV groups differ"
 
