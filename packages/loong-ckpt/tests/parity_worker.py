@@ -4,7 +4,9 @@
         <checkpoint or HF dir> <tokens.pt> <logits-out.pt> [<source> <tokens> <out> ...]
 
 Writes the full-vocabulary logits [batch, seq, vocab] (fp32) from the last pipeline stage. Several
-jobs per launch: importing megatron-core costs ~10 s per process on a small host.
+jobs per launch: importing megatron-core costs ~10 s per process on a small host. ``tokens.pt``
+holds token ids [batch, seq], or for a VLM a dict of model inputs (``input_ids [1, S]``,
+``pixel_values``, ``image_grid_thw``).
 """
 
 from __future__ import annotations
@@ -19,31 +21,39 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 
-def loong_logits(source: str | Path, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Build the model for this rank (megatron groups must exist), load ``source``, run ``tokens``.
-    Returns the logits on TP rank 0 of the last stage, None elsewhere."""
+def loong_logits(source: str | Path, tokens: torch.Tensor | dict) -> torch.Tensor | None:
+    """Build the model for this rank (megatron groups must exist), load ``source``, run ``tokens``
+    (token ids, or a VLM's input dict). Returns the logits on TP rank 0 of the last stage, None elsewhere."""
+    import dataclasses
+
     from megatron.core import parallel_state as mpu
 
-    from loong_ckpt.hf_config import foundation_from_dict
+    from loong_ckpt.components import config_from_meta, foundation_of, is_composed
     from loong_ckpt.hf_io import is_hf_dir
-    from loong_ckpt.online import load_hf_weights, read_hf_foundation
+    from loong_ckpt.online import load_hf_weights, read_hf_model
     from loong_ckpt.training import load_checkpoint, read_checkpoint_info
-    from loong_models import build_foundation, build_transformer_config
+    from loong_models import build_foundation, build_model, build_transformer_config
 
     tp, pp = mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()
     online = is_hf_dir(source)
-    if online:
-        cfg = read_hf_foundation(source)
-    else:
-        cfg = foundation_from_dict(read_checkpoint_info(source).meta["foundation"])
+    model_cfg = read_hf_model(source) if online else config_from_meta(read_checkpoint_info(source).meta)
+    cfg = foundation_of(model_cfg)
     tconfig = build_transformer_config(
         cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
     )  # fmt: skip
     first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
-    model = build_foundation(cfg, tconfig, layer_backend="local", pre_process=first, post_process=last)
+    media = {}
+    if isinstance(tokens, dict):
+        media = {k: v for k, v in tokens.items() if k != "input_ids"}
+        tokens = tokens["input_ids"]
+    if is_composed(model_cfg):
+        model_cfg = dataclasses.replace(model_cfg, layer_backend="local")
+        model = build_model(model_cfg, tconfig, device_type="cpu", pre_process=first, post_process=last)
+    else:
+        model = build_foundation(cfg, tconfig, layer_backend="local", pre_process=first, post_process=last)
     if online:
-        load_hf_weights(source, [model], cfg)
+        load_hf_weights(source, [model], model_cfg)
     else:
         load_checkpoint(source, [model])
     model.eval()
@@ -54,7 +64,8 @@ def loong_logits(source: str | Path, tokens: torch.Tensor) -> torch.Tensor | Non
             hidden = torch.empty(s, b, cfg.hidden_size)
             dist.recv(hidden, src=mpu.get_pipeline_model_parallel_prev_rank())
             model.set_input_tensor(hidden)
-        out = model(tokens, pos, None)
+        # a VLM computes its multimodal positions itself
+        out = model(tokens, None, None, **media) if media else model(tokens, pos, None)
         if not last:
             dist.send(out.contiguous(), dst=mpu.get_pipeline_model_parallel_next_rank())
             return None

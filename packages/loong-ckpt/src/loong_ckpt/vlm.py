@@ -209,7 +209,13 @@ def qwen25_vl_from_hf(hf: dict[str, Any], source: str = "config.json") -> Any:
     ids = {k: hf[k] for k in _TOKEN_IDS if k in hf}
     if "image_token_id" not in ids:
         raise ConversionError(f"{source}: image_token_id is missing")
-    return ModelConfig(foundation=foundation, image_encoder=encoder, image_projector=projector, **ids)
+    return ModelConfig(
+        foundation=foundation,
+        image_encoder=encoder,
+        image_projector=projector,
+        tokens_per_second=float(vision.get("tokens_per_second", 2)),  # video temporal positions
+        **ids,
+    )
 
 
 def _with_mrope(foundation: Any, section: list[int]) -> Any:
@@ -223,7 +229,7 @@ def _with_mrope(foundation: Any, section: list[int]) -> Any:
 
 def qwen25_vl_to_hf(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
     """Loong ModelConfig -> config.json that transformers reads as Qwen2.5-VL."""
-    f, e = cfg.foundation, cfg.image_encoder
+    f, e, tps = cfg.foundation, cfg.image_encoder, cfg.tokens_per_second
     plain = dataclasses.replace(f, mrope_section=None)
     text = to_hf_config(plain, dtype)
     for key in ("architectures", "dtype", "tie_word_embeddings"):
@@ -238,6 +244,8 @@ def qwen25_vl_to_hf(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
         "fullatt_block_indexes": list(e.fullatt_block_indexes), "out_hidden_size": f.hidden_size,
         "rope_parameters": {"rope_theta": e.rotary_base, "rope_type": "axial"},
         "initializer_range": e.init_method_std,
+        # an int in transformers' (strict) vision config
+        "tokens_per_second": int(tps) if float(tps).is_integer() else tps,
     }  # fmt: skip
     out = {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],
@@ -261,7 +269,7 @@ def qwen25_vl_same(a: Any, b: Any) -> bool:
         and a.foundation.mrope_section == b.foundation.mrope_section
         and fields(a.image_encoder, _ENCODER_ARCH) == fields(b.image_encoder, _ENCODER_ARCH)
         and fields(a.image_projector, _PROJECTOR_ARCH) == fields(b.image_projector, _PROJECTOR_ARCH)
-        and all(getattr(a, k, None) == getattr(b, k, None) for k in _TOKEN_IDS)
+        and all(getattr(a, k, None) == getattr(b, k, None) for k in (*_TOKEN_IDS, "tokens_per_second"))
     )
 
 

@@ -1,0 +1,244 @@
+"""Qwen2.5-VL through the composed mapping: a tiny random HF ``Qwen2_5_VLForConditionalGeneration``
+converts to Loong's OmniCombinationModel and back; logits match HF on a real image + text (fp32);
+HF -> Megatron -> HF is bit-identical; online load / export; bad input gives clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_testlib import get_converted_vlm, logits_in_process, run_workers
+from hf_models import VLM_TOKENS, hf_vlm_logits
+from safetensors.torch import load_file, save_file
+
+from loong_ckpt import ConversionError, hf_to_mcore, mcore_to_hf
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def vlm(tmp_path_factory):
+    return get_converted_vlm(tmp_path_factory)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+def test_hf_names_are_what_transformers_writes(vlm):
+    """The installed transformers writes the Hub naming (visual.*, model.layers.*), which the
+    mapping reads; the vision tower's and merger's tensors are all converted."""
+    names = set(_tensors(vlm.hf))
+    assert "visual.blocks.0.attn.qkv.weight" in names and "model.layers.0.self_attn.q_proj.weight" in names
+    assert "visual.merger.mlp.0.weight" in names and "lm_head.weight" in names
+    meta = json.loads((vlm.ckpt / "loong.json").read_text())
+    assert meta["hf_naming"] == "hub"
+    assert meta["model"]["image_encoder"]["type"] == "qwen2.5-vit"
+    assert meta["foundation"]["mrope_section"] == [2, 3, 3]
+
+
+def test_logits_match_hf_tp1(vlm):
+    inputs = torch.load(vlm.tokens)
+    assert int((inputs["input_ids"] == VLM_TOKENS["image_token_id"]).sum()) > 8  # the image is really in it
+    logits = logits_in_process(vlm.ckpt, vlm.tokens)
+    assert logits.shape == vlm.ref.shape
+    assert (logits - vlm.ref).abs().max().item() <= TOL
+
+
+def test_online_hf_load_matches_hf_tp1(vlm):
+    online = logits_in_process(vlm.hf, vlm.tokens)
+    assert (online - vlm.ref).abs().max().item() <= TOL
+    assert torch.equal(online, logits_in_process(vlm.ckpt, vlm.tokens))
+
+
+def test_round_trip_is_bit_identical(vlm, tmp_path):
+    import transformers
+
+    out = tmp_path / "hf"
+    mcore_to_hf(vlm.ckpt, out, progress=False)
+    _assert_same_tensors(_tensors(vlm.hf), _tensors(out))
+    assert json.loads((out / "config.json").read_text()) == json.loads((vlm.hf / "config.json").read_text())
+    assert isinstance(transformers.AutoConfig.from_pretrained(out), transformers.Qwen2_5_VLConfig)
+    assert torch.equal(hf_vlm_logits(out, torch.load(vlm.tokens)), vlm.ref)
+
+
+def test_generated_config_loads_in_transformers(vlm, tmp_path):
+    """A checkpoint without the source config.json (trained in Loong) gets a generated one that
+    transformers reads as the same Qwen2.5-VL."""
+    import transformers
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(vlm.ckpt, ckpt)
+    meta = json.loads((ckpt / "loong.json").read_text())
+    del meta["hf_config"], meta["hf_naming"]
+    (ckpt / "loong.json").write_text(json.dumps(meta))
+    mcore_to_hf(ckpt, tmp_path / "hf", progress=False)
+    src = transformers.AutoConfig.from_pretrained(vlm.hf)
+    got = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert got.model_type == "qwen2_5_vl" and got.to_dict()["vision_config"] == src.to_dict()["vision_config"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "rms_norm_eps"):  # fmt: skip
+        assert getattr(got.text_config, key) == getattr(src.text_config, key), key
+    assert got.text_config.rope_parameters["mrope_section"] == [2, 3, 3]
+    for key in (*VLM_TOKENS, "tie_word_embeddings"):
+        assert getattr(got, key) == getattr(src, key), key
+    _assert_same_tensors(_tensors(vlm.hf), _tensors(tmp_path / "hf"))
+    assert torch.equal(hf_vlm_logits(tmp_path / "hf", torch.load(vlm.tokens)), vlm.ref)
+
+
+def test_module_naming_is_read_and_written_back(vlm, tmp_path):
+    """transformers' module naming (model.visual.*, model.language_model.*) converts to the same
+    checkpoint, and export writes that naming back; transformers loads either."""
+    hf = tmp_path / "hf-modules"
+    hf.mkdir()
+    shutil.copy(vlm.hf / "config.json", hf / "config.json")
+    renamed = {}
+    for name, t in _tensors(vlm.hf).items():
+        if name.startswith("visual."):
+            name = "model." + name
+        elif name.startswith("model."):
+            name = "model.language_model." + name[len("model.") :]
+        renamed[name] = t
+    save_file(renamed, hf / "model.safetensors", metadata={"format": "pt"})
+    hf_to_mcore(hf, tmp_path / "ckpt", progress=False)
+    assert json.loads((tmp_path / "ckpt" / "loong.json").read_text())["hf_naming"] == "modules"
+    assert torch.equal(
+        logits_in_process(tmp_path / "ckpt", vlm.tokens), logits_in_process(vlm.ckpt, vlm.tokens)
+    )
+    mcore_to_hf(tmp_path / "ckpt", tmp_path / "back", progress=False)
+    _assert_same_tensors(renamed, _tensors(tmp_path / "back"))
+    assert torch.equal(hf_vlm_logits(tmp_path / "back", torch.load(vlm.tokens)), vlm.ref)
+
+
+def test_cli_round_trip_with_tp2_layout(vlm, tmp_path, capsys):
+    from loong_ckpt.cli import main
+
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    assert (
+        main(["hf-to-mcore", str(vlm.hf), str(ckpt), "--tp", "2", "--no-progress", "--name", "tiny-qwen-vl"])
+        == 0
+    )
+    assert "model=tiny-qwen-vl" in capsys.readouterr().out
+    model_yaml = (ckpt / "configs" / "model" / "tiny-qwen-vl.yaml").read_text()
+    assert "image_encoder: tiny-qwen-vl" in model_yaml and "image_token_id: 990" in model_yaml
+    assert (ckpt / "configs" / "model" / "image_encoder" / "tiny-qwen-vl.yaml").is_file()
+    assert main(["mcore-to-hf", str(ckpt), str(hf), "--no-progress"]) == 0
+    _assert_same_tensors(_tensors(vlm.hf), _tensors(hf))
+    # the ViT has 2 heads: a layout of 4 cannot hold it
+    assert main(["hf-to-mcore", str(vlm.hf), str(tmp_path / "x"), "--tp", "4", "--no-progress"]) == 2
+    assert "image encoder's attention heads (2)" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_converted_yaml_composes_into_the_same_model(vlm):
+    """The written Hydra files compose (through loong_models' schema) into the converted model."""
+    from hydra import compose, initialize_config_dir
+
+    from loong_ckpt.components import config_from_meta, same_model
+    from loong_models import to_model_config
+
+    meta = json.loads((vlm.ckpt / "loong.json").read_text())
+    with initialize_config_dir(config_dir=str(vlm.ckpt / "configs"), version_base=None):
+        raw = compose(config_name=f"model/{meta['model_name']}")
+    assert same_model(to_model_config(raw.model), config_from_meta(meta))
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def _edit_config(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_missing_vision_tensor_names_the_key(vlm, tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copy(vlm.hf / "config.json", hf / "config.json")
+    tensors = _tensors(vlm.hf)
+    del tensors["visual.blocks.1.attn.qkv.bias"]
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"visual\.blocks\.1\.attn\.qkv\.bias \(for megatron key "
+                                              r"image_encoder\.decoder\.layers\.self_attention\.linear_qkv\.bias\) is missing"):  # fmt: skip
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_vision_config_that_does_not_match_the_weights(vlm, tmp_path):
+    hf = _edit_config(vlm.hf, tmp_path / "hf", lambda c: c["vision_config"].update(intermediate_size=48))
+    with pytest.raises(ConversionError, match="does not match the weights") as e:
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+    assert "visual.blocks.0.mlp.gate_proj.weight" in str(e.value) and "(64, 32)" in str(e.value)
+    assert "(48, 32)" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c["vision_config"].update(hidden_act="gelu_pytorch_tanh"),
+         "vision_config.hidden_act='gelu_pytorch_tanh' is not supported for Qwen2.5-VL; allowed: 'silu'"),
+        (lambda c: c["vision_config"].update(out_hidden_size=96),
+         "vision_config.out_hidden_size=96 must equal the LLM's hidden_size=64"),
+        (lambda c: c["vision_config"].update(window_size=50), "vision_config.window_size=50 must be a positive multiple"),
+        (lambda c: c["text_config"]["rope_parameters"].pop("mrope_section"), "mrope_section=None; expected 3 integers"),
+        (lambda c: c["vision_config"].pop("depth"), "vision_config.depth is missing"),
+        (lambda c: c.update(architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl"),
+         r"unsupported architecture \['Qwen2VLForConditionalGeneration'\]; supported: .*Qwen2_5_VLForConditionalGeneration"),
+    ],
+    ids=["vision-act", "out-hidden", "window", "no-mrope", "no-depth", "qwen2-vl"],
+)  # fmt: skip
+def test_unsupported_vision_variants(vlm, tmp_path, edit, message):
+    hf = _edit_config(vlm.hf, tmp_path / "hf", edit)
+    with pytest.raises(ConversionError, match=message):
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_online_load_needs_the_same_model(vlm):
+    """Loading a Qwen2.5-VL directory into a text-only model (or one with another ViT) says what differs."""
+    import dataclasses
+
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from loong_ckpt.mcore_io import _single_process_megatron
+    from loong_ckpt.online import load_hf_weights, read_hf_model
+    from loong_models import build_foundation, build_transformer_config
+
+    cfg = read_hf_model(vlm.hf)
+    wider = dataclasses.replace(cfg, image_encoder=dataclasses.replace(cfg.image_encoder, ffn_hidden_size=48))
+    with _single_process_megatron():
+        model_parallel_cuda_manual_seed(0)
+        tconfig = build_transformer_config(
+            cfg.foundation, use_cpu_initialization=True, params_dtype=torch.float32
+        )
+        model = build_foundation(cfg.foundation, tconfig, layer_backend="local")
+        with pytest.raises(ConversionError, match="image_encoder: .*ImageEncoderConfig.* \\(HF\\) != None"):
+            load_hf_weights(vlm.hf, [model], cfg.foundation)
+        with pytest.raises(ConversionError, match=r"image_encoder\.ffn_hidden_size: 64 \(HF\) != 48"):
+            load_hf_weights(vlm.hf, [model], wider)
+
+
+@pytest.mark.dist
+def test_tp2_logits_match_hf(vlm, tmp_path):
+    """TP=2 (torchrun, gloo): the foundation and the ViT both split over 2 ranks, from the converted
+    checkpoint and from the HF directory loaded online."""
+    jobs = [(src, vlm.tokens, tmp_path / f"{kind}.pt") for kind, src in (("ckpt", vlm.ckpt), ("hf", vlm.hf))]
+    for (src, _, _), logits in zip(jobs, run_workers(jobs, tp=2, pp=1)):
+        assert logits.shape == vlm.ref.shape
+        diff = (logits - vlm.ref).abs().max().item()
+        assert diff <= TOL, f"{src} at tp=2: max abs diff {diff}"
