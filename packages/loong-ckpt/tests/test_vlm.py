@@ -4,6 +4,7 @@ HF -> Megatron -> HF is bit-identical; online load / export; bad input gives cle
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -155,6 +156,40 @@ def test_converted_yaml_composes_into_the_same_model(vlm):
     assert same_model(to_model_config(raw.model), config_from_meta(meta))
 
 
+def test_training_checkpoint_exports_to_hf(vlm, tmp_path):
+    """The train app's path: HF weights loaded online into the OmniCombinationModel, a training
+    checkpoint saved by megatron (with what loong.json records of the model), exported to HF."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from loong_ckpt.components import checkpoint_meta
+    from loong_ckpt.mcore_io import _single_process_megatron
+    from loong_ckpt.online import export_hf, load_hf_weights, read_hf_model
+    from loong_ckpt.training import save_checkpoint
+    from loong_models import build_model, build_transformer_config
+
+    cfg = dataclasses.replace(read_hf_model(vlm.hf), layer_backend="local")
+    with _single_process_megatron():
+        model_parallel_cuda_manual_seed(0)
+        tconfig = build_transformer_config(
+            cfg.foundation, use_cpu_initialization=True, params_dtype=torch.float32
+        )
+        model = build_model(cfg, tconfig, device_type="cpu")
+        tensors = [v for v in model.sharded_state_dict().values() if not isinstance(v, ShardedObject)]
+        assert load_hf_weights(vlm.hf, [model], cfg) == len(tensors)  # every parameter of all components
+        with torch.no_grad():  # "training" moved one vision tensor
+            model.image_encoder.decoder.layers[1].self_attention.linear_qkv.bias.mul_(2)
+        extra = {**checkpoint_meta(cfg), "hf_config": json.loads((vlm.hf / "config.json").read_text())}
+        ckpt = save_checkpoint(tmp_path / "checkpoints", 1, [model], extra=extra)
+        export_hf(ckpt, tmp_path / "hf")
+    source, exported = _tensors(vlm.hf), _tensors(tmp_path / "hf")
+    moved = "visual.blocks.1.attn.qkv.bias"
+    assert torch.equal(exported[moved], 2 * source[moved])
+    _assert_same_tensors(
+        {k: v for k, v in source.items() if k != moved}, {k: v for k, v in exported.items() if k != moved}
+    )
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 
@@ -211,8 +246,6 @@ def test_unsupported_vision_variants(vlm, tmp_path, edit, message):
 
 def test_online_load_needs_the_same_model(vlm):
     """Loading a Qwen2.5-VL directory into a text-only model (or one with another ViT) says what differs."""
-    import dataclasses
-
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from loong_ckpt.mcore_io import _single_process_megatron

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from loong_ckpt.components import checkpoint_meta
 from loong_ckpt.online import export_hf, is_hf_dir, load_hf_weights
 from loong_ckpt.training import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
 from loong_models import build_model, build_transformer_config, fusion_fields, resolve_backend
@@ -139,7 +140,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         if is_main:
             logger.info("resumed from %s (step %d)", info.path, start_step)
     elif t.init_from and is_hf_dir(t.init_from):
-        load_hf_weights(t.init_from, chunks, f)
+        load_hf_weights(t.init_from, chunks, cfg.model)  # all components of a VLM
     elif t.init_from:
         info, _ = load_checkpoint(read_checkpoint_info(t.init_from).path, chunks)
         if is_main:
@@ -191,7 +192,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         return loss
 
     # The model config goes with the weights: loong-convert mcore-to-hf needs nothing else.
-    ckpt_extra = {"tokens_per_step": tokens_per_step, "foundation": asdict(f)}
+    ckpt_extra = {"tokens_per_step": tokens_per_step, **checkpoint_meta(cfg.model)}
     if t.init_from and is_hf_dir(t.init_from):
         ckpt_extra["hf_config"] = json.loads((Path(t.init_from) / "config.json").read_text())
 
