@@ -38,6 +38,68 @@ def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
+class DictReader:
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name, dim=None, start=0, stop=None):
+        t = self.tensors[name]
+        return (
+            t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
+        )
+
+
+def test_packed_qkv_layout_is_megatrons():
+    """HF's packed [q; k; v] (each all heads) -> per head its q, k, v (megatron, groups = heads)."""
+    from loong_ckpt.vlm import PACKED_QKV, AttentionShapes
+
+    c = AttentionShapes(num_layers=1, num_attention_heads=4, head_dim=3)
+    rows = torch.arange(3 * 12).float()[:, None].expand(-1, 5)  # row i holds i
+    fused = PACKED_QKV.fuse([rows], c, 4)
+    head1 = fused[9:18, 0].tolist()  # q rows 3..5, k rows 12+3.., v rows 24+3..
+    assert head1 == [3, 4, 5, 15, 16, 17, 27, 28, 29]
+    assert torch.equal(PACKED_QKV.unfuse(fused, c, 4)[0], rows)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vision_tp_shards_assemble_the_global_tensor(tp):
+    """Every rank's online shard of each ViT / merger rule, concatenated along the split dim, is
+    the global tensor the offline converter writes (what megatron checkpoints hold)."""
+    from loong_ckpt.mapping import GATE_UP, Split
+    from loong_ckpt.vlm import QWEN25_MERGER, QWEN25_VIT, AttentionShapes
+
+    c = AttentionShapes(num_layers=2, num_attention_heads=4, head_dim=8)
+    h, f, m = 32, 48, 128
+    shapes = {
+        "patch_embed.proj.weight": [(h, 3, 2, 14, 14)], "blocks.0.norm1.weight": [(h,)],
+        "blocks.0.attn.qkv.weight": [(3 * h, h)], "blocks.0.attn.qkv.bias": [(3 * h,)],
+        "blocks.0.attn.proj.weight": [(h, h)], "blocks.0.attn.proj.bias": [(h,)], "blocks.0.norm2.weight": [(h,)],
+        "blocks.0.mlp.gate_proj.weight": [(f, h)], "blocks.0.mlp.gate_proj.bias": [(f,)],
+        "blocks.0.mlp.down_proj.weight": [(h, f)], "blocks.0.mlp.down_proj.bias": [(h,)],
+        "merger.ln_q.weight": [(h,)], "merger.mlp.0.weight": [(m, m)], "merger.mlp.0.bias": [(m,)],
+        "merger.mlp.2.weight": [(64, m)], "merger.mlp.2.bias": [(64,)],
+    }  # fmt: skip
+    torch.manual_seed(0)
+    for rule in QWEN25_VIT + QWEN25_MERGER:
+        names = rule.hf_names(0)
+        shape = shapes.get(names[0]) or shapes[names[0].replace("up_proj", "gate_proj")]
+        hf = {n: torch.randn(shape[0]) for n in names}
+        whole = rule.to_mcore(list(hf.values()), c, 0)
+        shards = [rule.tp_shard(DictReader(hf), 0, c, r, tp, 0) for r in range(tp)]
+        if rule.split is Split.REPLICATED:
+            assert all(torch.equal(s, whole) for s in shards), rule.mcore
+        elif rule.transform is GATE_UP:
+            assert torch.equal(
+                torch.cat([s.chunk(2)[0] for s in shards] + [s.chunk(2)[1] for s in shards]), whole
+            )
+        else:
+            assert torch.equal(torch.cat(shards, dim=rule.split.dim), whole), rule.mcore
+        assert all(torch.equal(a, b) for a, b in zip(rule.to_hf(whole, c), hf.values())), rule.mcore
+
+
 def test_hf_names_are_what_transformers_writes(vlm):
     """The installed transformers writes the Hub naming (visual.*, model.layers.*), which the
     mapping reads; the vision tower's and merger's tensors are all converted."""
