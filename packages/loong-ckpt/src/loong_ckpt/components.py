@@ -114,6 +114,7 @@ class ModelMapping:
 
     name: str
     hf_architectures: tuple[str, ...]
+    encoder_type: str  # the ModelConfig's image_encoder.type this mapping converts
     components: tuple[ComponentMapping, ...]
     # HF namings this architecture's checkpoints use, the first being what save_pretrained writes,
     # each recognised by a tensor only that naming has.
@@ -133,13 +134,12 @@ class ModelMapping:
         )
 
 
-# Registered composed architectures (filled by the modules declaring them, e.g. loong_ckpt.vlm).
+# Registered composed architectures, by name; filled by the modules declaring them (loong_ckpt.vlm,
+# imported at the end of this module).
 MODEL_MAPPINGS: dict[str, ModelMapping] = {}
 
 
 def _registry() -> dict[str, ModelMapping]:
-    import loong_ckpt.vlm  # noqa: F401 (declares its ModelMappings)
-
     return MODEL_MAPPINGS
 
 
@@ -160,11 +160,11 @@ def is_composed(cfg: Any) -> bool:
 def mapping_of(cfg: Any) -> ModelMapping:
     """The composed mapping of a ModelConfig (by the image encoder's type)."""
     for m in _registry().values():
-        if m.name == cfg.image_encoder.type:
+        if m.encoder_type == cfg.image_encoder.type:
             return m
     raise ConversionError(
         f"no HF mapping is declared for model.image_encoder.type={cfg.image_encoder.type!r}; "
-        f"types with one: {', '.join(_registry())}"
+        f"types with one: {', '.join(m.encoder_type for m in _registry().values())}"
     )
 
 
@@ -340,3 +340,7 @@ def component_diff(a: Any, b: Any) -> str:
         skip = (*_COMPONENT_KEYS, "foundation", "layer_backend")
         diffs += [f"{k}: {ma[k]!r} (HF) != {mb[k]!r}" for k in ma if k not in skip and ma[k] != mb[k]]
     return "; ".join(diffs) or "head_dim / KV groups differ"
+
+
+# The declarations register themselves; imported last, as they use the classes above.
+from loong_ckpt import vlm as _vlm  # noqa: E402, F401

@@ -275,8 +275,9 @@ def qwen25_vl_same(a: Any, b: Any) -> bool:
 
 QWEN25_VL = register(
     ModelMapping(
-        name=ENCODER_TYPE,
+        name="qwen2.5-vl",
         hf_architectures=("Qwen2_5_VLForConditionalGeneration",),
+        encoder_type=ENCODER_TYPE,
         components=(
             ComponentMapping(
                 "image_encoder",
