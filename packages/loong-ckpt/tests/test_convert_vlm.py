@@ -306,6 +306,19 @@ def test_unsupported_vision_variants(vlm, tmp_path, edit, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_encoder_without_hf_mapping(vlm, tmp_path):
+    """A VLM whose image encoder type has no HF mapping (SigLIP today) cannot be exported."""
+    from loong_ckpt.online import read_hf_model
+    from loong_models import ImageEncoderConfig
+
+    cfg = read_hf_model(vlm.hf)
+    siglip = dataclasses.replace(cfg, image_encoder=ImageEncoderConfig(type="siglip", temporal_patch_size=1))
+    with pytest.raises(ConversionError, match="no HF mapping is declared for model.image_encoder.type='siglip'; "
+                                              "types with one: qwen2.5-vit"):  # fmt: skip
+        mcore_to_hf(vlm.ckpt, tmp_path / "hf", foundation=siglip, progress=False)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_online_load_needs_the_same_model(vlm):
     """Loading a Qwen2.5-VL directory into a text-only model (or one with another ViT) says what differs."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
