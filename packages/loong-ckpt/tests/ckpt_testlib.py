@@ -35,9 +35,13 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_workers(jobs: list[tuple[Path, Path, Path]], *, tp: int, pp: int) -> list[torch.Tensor]:
+def run_workers(
+    jobs: list[tuple[Path, Path, Path]], *, tp: int, pp: int, encoder_tp: int | None = None
+) -> list[torch.Tensor]:
     """Loong logits of each (source, tokens, out) job at TP x PP, in one torchrun launch."""
     script = [str(HERE / "parity_worker.py"), "--tp", str(tp), "--pp", str(pp)]
+    if encoder_tp is not None:
+        script += ["--encoder-tp", str(encoder_tp)]
     script += [str(x) for job in jobs for x in job]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}"]
     proc = subprocess.run([*launcher, *script], env=worker_env(), capture_output=True, text=True, timeout=600)

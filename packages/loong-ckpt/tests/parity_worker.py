@@ -21,9 +21,12 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 
-def loong_logits(source: str | Path, tokens: torch.Tensor | dict) -> torch.Tensor | None:
+def loong_logits(
+    source: str | Path, tokens: torch.Tensor | dict, encoder_tp: int | None = None
+) -> torch.Tensor | None:
     """Build the model for this rank (megatron groups must exist), load ``source``, run ``tokens``
-    (token ids, or a VLM's input dict). Returns the logits on TP rank 0 of the last stage, None elsewhere."""
+    (token ids, or a VLM's input dict; ``encoder_tp``: the VLM image encoder's own TP size).
+    Returns the logits on TP rank 0 of the last stage, None elsewhere."""
     import dataclasses
 
     from megatron.core import parallel_state as mpu
@@ -49,7 +52,15 @@ def loong_logits(source: str | Path, tokens: torch.Tensor | dict) -> torch.Tenso
         tokens = tokens["input_ids"]
     if is_composed(model_cfg):
         model_cfg = dataclasses.replace(model_cfg, layer_backend="local")
-        model = build_model(model_cfg, tconfig, device_type="cpu", pre_process=first, post_process=last)
+        groups = None
+        if encoder_tp is not None and encoder_tp != tp:
+            from loong_parallel.component_groups import component_process_groups
+
+            enc = dataclasses.replace(model_cfg.image_encoder, tensor_model_parallel_size=encoder_tp)
+            model_cfg = dataclasses.replace(model_cfg, image_encoder=enc)
+            groups = component_process_groups(encoder_tp)
+        model = build_model(model_cfg, tconfig, device_type="cpu", pre_process=first, post_process=last,
+                            encoder_pg_collection=groups)  # fmt: skip
     else:
         model = build_foundation(cfg, tconfig, layer_backend="local", pre_process=first, post_process=last)
     if online:
@@ -80,6 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--encoder-tp", type=int, default=None, help="a VLM image encoder's own TP size")
     ap.add_argument("jobs", nargs="+", help="source tokens.pt out.pt, repeated")
     args = ap.parse_args()
     if len(args.jobs) % 3:
@@ -96,7 +108,7 @@ def main() -> None:
         model_parallel_cuda_manual_seed(0)
         for i in range(0, len(args.jobs), 3):
             source, tokens, out = args.jobs[i : i + 3]
-            logits = loong_logits(source, torch.load(tokens))
+            logits = loong_logits(source, torch.load(tokens), args.encoder_tp)
             if logits is not None:
                 torch.save(logits, out)
         mpu.destroy_model_parallel()

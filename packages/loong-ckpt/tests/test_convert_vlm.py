@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_testlib import get_converted_vlm, logits_in_process, run_workers
-from hf_models import VLM_TOKENS, hf_vlm_logits
+from hf_models import VLM_TOKENS, hf_vlm_logits, make_hf_vlm
 from safetensors.torch import load_file, save_file
 
 from loong_ckpt import ConversionError, hf_to_mcore, mcore_to_hf
@@ -135,6 +135,22 @@ def test_round_trip_is_bit_identical(vlm, tmp_path):
     assert json.loads((out / "config.json").read_text()) == json.loads((vlm.hf / "config.json").read_text())
     assert isinstance(transformers.AutoConfig.from_pretrained(out), transformers.Qwen2_5_VLConfig)
     assert torch.equal(hf_vlm_logits(out, torch.load(vlm.tokens)), vlm.ref)
+
+
+def test_tied_embeddings(vlm, tmp_path):
+    """Qwen2.5-VL-3B ties its embeddings (top-level tie_word_embeddings): no lm_head on either side."""
+    hf = make_hf_vlm(tmp_path / "hf", tie=True)
+    assert "lm_head.weight" not in _tensors(hf)
+    hf_to_mcore(hf, tmp_path / "ckpt", progress=False)
+    meta = json.loads((tmp_path / "ckpt" / "loong.json").read_text())
+    assert meta["foundation"]["tie_word_embeddings"] is True
+    logits = logits_in_process(tmp_path / "ckpt", vlm.tokens)
+    assert (logits - hf_vlm_logits(hf, torch.load(vlm.tokens))).abs().max().item() <= TOL
+    mcore_to_hf(tmp_path / "ckpt", tmp_path / "back", progress=False)
+    _assert_same_tensors(_tensors(hf), _tensors(tmp_path / "back"))
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
+        (hf / "config.json").read_text()
+    )
 
 
 def test_generated_config_loads_in_transformers(vlm, tmp_path):
@@ -342,11 +358,15 @@ def test_online_load_needs_the_same_model(vlm):
 
 
 @pytest.mark.dist
-def test_tp2_logits_match_hf(vlm, tmp_path):
-    """TP=2 (torchrun, gloo): the foundation and the ViT both split over 2 ranks, from the converted
-    checkpoint and from the HF directory loaded online."""
+@pytest.mark.parametrize(
+    "tp,pp,etp", [(2, 1, None), (2, 1, 1), (1, 2, None)], ids=["tp2", "tp2-encoder-tp1", "pp2"]
+)
+def test_parallel_logits_match_hf(vlm, tmp_path, tp, pp, etp):
+    """torchrun, 2 processes, gloo. TP=2: the foundation and the ViT both split over 2 ranks, or the
+    ViT and projector whole on each rank (encoder TP=1); PP=2: the encoder and projector on the
+    first stage. From the converted checkpoint and from the HF directory loaded online."""
     jobs = [(src, vlm.tokens, tmp_path / f"{kind}.pt") for kind, src in (("ckpt", vlm.ckpt), ("hf", vlm.hf))]
-    for (src, _, _), logits in zip(jobs, run_workers(jobs, tp=2, pp=1)):
+    for (src, _, _), logits in zip(jobs, run_workers(jobs, tp=tp, pp=pp, encoder_tp=etp)):
         assert logits.shape == vlm.ref.shape
         diff = (logits - vlm.ref).abs().max().item()
-        assert diff <= TOL, f"{src} at tp=2: max abs diff {diff}"
+        assert diff <= TOL, f"{src} at tp={tp} pp={pp}: max abs diff {diff}"

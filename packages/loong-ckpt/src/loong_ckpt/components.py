@@ -139,17 +139,13 @@ class ModelMapping:
 MODEL_MAPPINGS: dict[str, ModelMapping] = {}
 
 
-def _registry() -> dict[str, ModelMapping]:
-    return MODEL_MAPPINGS
-
-
 def register(mapping: ModelMapping) -> ModelMapping:
     MODEL_MAPPINGS[mapping.name] = mapping
     return mapping
 
 
 def composed_architectures() -> dict[str, ModelMapping]:
-    return {arch: m for m in _registry().values() for arch in m.hf_architectures}
+    return {arch: m for m in MODEL_MAPPINGS.values() for arch in m.hf_architectures}
 
 
 def is_composed(cfg: Any) -> bool:
@@ -159,12 +155,12 @@ def is_composed(cfg: Any) -> bool:
 
 def mapping_of(cfg: Any) -> ModelMapping:
     """The composed mapping of a ModelConfig (by the image encoder's type)."""
-    for m in _registry().values():
+    for m in MODEL_MAPPINGS.values():
         if m.encoder_type == cfg.image_encoder.type:
             return m
     raise ConversionError(
         f"no HF mapping is declared for model.image_encoder.type={cfg.image_encoder.type!r}; "
-        f"types with one: {', '.join(m.encoder_type for m in _registry().values())}"
+        f"types with one: {', '.join(m.encoder_type for m in MODEL_MAPPINGS.values())}"
     )
 
 
@@ -203,7 +199,7 @@ def model_to_hf(cfg: Any, dtype: torch.dtype, base: dict[str, Any] | None = None
         try:
             if m.same_architecture(model_from_hf(base), cfg):
                 return dict(base)
-        except (ConversionError, KeyError, TypeError):
+        except (ConversionError, KeyError, TypeError, AttributeError):
             pass  # the stored config no longer describes this model: generate one
     return m.to_hf(cfg, dtype)
 

@@ -76,7 +76,10 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Any) -
             if rule is None:
                 raise ConversionError(f"no mapping rule for megatron key {sh.key} ({name})")
             layer = sh.global_offset[0] if rule.layered else None
-            local = rule.tp_shard(reader, layer, tp_rank, tp_size, padded)
+            # A component may run at TP=1 inside a larger foundation TP (a replicated image
+            # encoder): a parameter holding its whole global tensor is loaded whole.
+            whole = tuple(data.shape) == tuple(sh.global_shape[sh.prepend_axis_num :])
+            local = rule.tp_shard(reader, layer, *((0, 1) if whole else (tp_rank, tp_size)), padded)
             if local.shape != data.shape:
                 raise ConversionError(
                     f"{path}: {', '.join(rule.hf_names(layer))} give {tuple(local.shape)} for {name}, "
