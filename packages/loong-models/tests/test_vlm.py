@@ -1,6 +1,8 @@
 """VLM composition: configs (defaults list, backbone swap, overrides, parameter counts of the zoo
 shapes), multimodal RoPE positions against HF, and the tiny VLM's forward / backward / freeze."""
 
+import functools
+
 import pytest
 import torch
 from vlm_testlib import IMG, VE, VID, VS, packed_batch, vision_tokens
@@ -74,18 +76,23 @@ def test_bad_vlm_configs_name_the_key(overrides, message):
         load_model_config("tiny-vlm", overrides)
 
 
-def _hf_rope_index(doc: list[int], images, videos, seconds):
+@functools.cache
+def _hf_vlm():
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=8200, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        text_config=dict(vocab_size=8198, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
                            tokens_per_second=2),
         image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE,
     )  # fmt: skip
-    model = Qwen2_5_VLModel(cfg)
+    return Qwen2_5_VLModel(cfg)
+
+
+def _hf_rope_index(doc: list[int], images, videos, seconds):
+    model = _hf_vlm()
     ids = torch.tensor([doc])
     types = (ids == IMG).int() + 2 * (ids == VID).int()
     pos, _ = model.get_rope_index(ids, types, image_grid_thw=images, video_grid_thw=videos,
@@ -181,15 +188,30 @@ def test_freeze_leaves_encoder_grads_none(megatron_cpu):
     assert all(p.grad is not None for p in model.foundation.parameters())
 
 
-def test_encoder_recompute_gives_the_same_gradients(megatron_cpu):
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_encoder_recompute_gives_the_same_gradients(megatron_cpu, recompute):
     grads = []
-    for extra in ([], ["image_encoder.recompute=full"]):
+    for extra in ([], [f"image_encoder.recompute={recompute}"]):
         torch.manual_seed(0)
         _, model = tiny_vlm(extra)
-        assert (model.image_encoder.config.recompute_granularity == "full") == bool(extra)
+        assert model.image_encoder.config.recompute_granularity == (recompute if extra else None)
+        assert model.foundation.config.recompute_granularity is None  # the component's own setting
         model(**packed_batch()).sum().backward()
-        grads.append(model.image_encoder.patch_embed.proj.weight.grad)
-    torch.testing.assert_close(grads[0], grads[1])
+        grads.append({n: p.grad for n, p in model.image_encoder.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_text_only_pack_with_empty_media_keys(megatron_cpu):
+    _, model = tiny_vlm()
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    empty = dict(pixel_values=torch.zeros(0, 1176), image_grid_thw=torch.zeros(0, 3, dtype=torch.long),
+                 pixel_values_videos=torch.zeros(0, 1176), video_grid_thw=torch.zeros(0, 3, dtype=torch.long))  # fmt: skip
+    with torch.no_grad():
+        loss = model(tokens, None, None, labels=tokens, **empty)
+        plain = model(tokens, None, None, labels=tokens)  # no media keys at all
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss, plain)
 
 
 def test_placeholder_count_mismatch_is_reported(megatron_cpu):
@@ -199,3 +221,13 @@ def test_placeholder_count_mismatch_is_reported(megatron_cpu):
     batch["pixel_values"] = batch["pixel_values"][:16]
     with pytest.raises(ValueError, match="image"):
         model(**batch)
+
+
+def test_sharded_state_dict_covers_every_component(megatron_cpu):
+    """megatron's distributed checkpointing (loong-ckpt training.py) reads sharded_state_dict()."""
+    _, model = tiny_vlm()
+    keys = {k for k in model.sharded_state_dict() if not k.endswith("_extra_state")}
+    params = {n for n, _ in model.named_parameters()}
+    assert params <= keys, sorted(params - keys)[:5]
+    assert any(k.startswith("image_encoder.decoder.layers.") for k in keys)
+    assert any(k.startswith("image_projector.mlp.") for k in keys)

@@ -16,21 +16,45 @@ from loong_models.image_encoder import ImageEncoder, build_encoder_transformer_c
 from loong_models.image_projector import ImageProjector, build_projector_transformer_config
 
 
-def build_vision(enc: ImageEncoderConfig, proj: ImageProjectorConfig | None = None, out_size: int = 48):
-    """Encoder (+ projector) in fp32 on the CPU with the local backend (needs a megatron world)."""
+def build_vision(
+    enc: ImageEncoderConfig,
+    proj: ImageProjectorConfig | None = None,
+    out_size: int = 48,
+    *,
+    backend: str = "local",
+    dtype: torch.dtype = torch.float32,
+):
+    """Encoder (+ projector), fp32 on the CPU with the local backend by default (needs a megatron
+    world)."""
     base = build_transformer_config(
-        FoundationConfig(), params_dtype=torch.float32, use_cpu_initialization=True
+        FoundationConfig(),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=backend == "local",
     )
-    econf = build_encoder_transformer_config(enc, base, tensor_model_parallel_size=1, backend="local")
-    encoder = ImageEncoder(enc, econf, layer_backend="local")
+    econf = build_encoder_transformer_config(enc, base, tensor_model_parallel_size=1, backend=backend)
+    encoder = ImageEncoder(enc, econf, layer_backend=backend)
     if proj is None:
         return encoder, None
     m = enc.spatial_merge_size
     pconf = build_projector_transformer_config(proj, base, encoder_hidden=enc.hidden_size, merge=m,
-                                               out_size=out_size, tensor_model_parallel_size=1, backend="local")  # fmt: skip
+                                               out_size=out_size, tensor_model_parallel_size=1, backend=backend)  # fmt: skip
     return encoder, ImageProjector(
-        proj, pconf, encoder_hidden=enc.hidden_size, merge=m, layer_backend="local"
+        proj, pconf, encoder_hidden=enc.hidden_size, merge=m, layer_backend=backend
     )
+
+
+def te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Local-spec names -> TE-spec names: TE fuses the pre-attention / pre-MLP norms into the
+    following linear (``layer_norm_weight`` / ``layer_norm_bias``)."""
+    out = {}
+    for name, value in state.items():
+        for local, fused in (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                             ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")):  # fmt: skip
+            if local in name:
+                name = name.replace(local, fused)
+        out[name] = value
+    return out
 
 
 def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
