@@ -1,12 +1,15 @@
 """Loong logits of converted checkpoints (or HF dirs, loaded online) at a TP / PP layout.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 parity_worker.py --tp 2 --pp 1 \
+    python -m torch.distributed.run --standalone --nproc-per-node 2 parity_worker.py --tp 2 --pp 1 [--ep 1] \
         <checkpoint or HF dir> <tokens.pt> <logits-out.pt> [<source> <tokens> <out> ...]
+
+With ``--ep N`` (MoE models) the world has tp * pp * N ranks: data parallel N, experts split N ways;
+every rank runs the same tokens, so the logits of any data-parallel rank are the model's.
 
 Writes the full-vocabulary logits [batch, seq, vocab] (fp32) from the last pipeline stage. Several
 jobs per launch: importing megatron-core costs ~10 s per process on a small host. ``tokens.pt``
 holds token ids [batch, seq], or for a VLM a dict of model inputs (``input_ids [1, S]``,
-``pixel_values``, ``image_grid_thw``).
+``pixel_values``, ``image_grid_thw``); ``--encoder-tp`` sets a VLM image encoder's own TP size.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ warnings.filterwarnings("ignore")
 
 
 def loong_logits(
-    source: str | Path, tokens: torch.Tensor | dict, encoder_tp: int | None = None
+    source: str | Path, tokens: torch.Tensor | dict, backend: str = "local", encoder_tp: int | None = None
 ) -> torch.Tensor | None:
-    """Build the model for this rank (megatron groups must exist), load ``source``, run ``tokens``
-    (token ids, or a VLM's input dict; ``encoder_tp``: the VLM image encoder's own TP size).
-    Returns the logits on TP rank 0 of the last stage, None elsewhere."""
+    """Build the model for this rank (megatron groups must exist) with the ``backend`` layer spec on
+    ``tokens``' device, load ``source``, run ``tokens`` (token ids, or a VLM's input dict;
+    ``encoder_tp``: the VLM image encoder's own TP size). Returns the logits on TP rank 0 of the
+    last stage, None elsewhere."""
     import dataclasses
 
     from megatron.core import parallel_state as mpu
@@ -35,23 +39,26 @@ def loong_logits(
     from loong_ckpt.hf_io import is_hf_dir
     from loong_ckpt.online import load_hf_weights, read_hf_model
     from loong_ckpt.training import load_checkpoint, read_checkpoint_info
-    from loong_models import build_foundation, build_model, build_transformer_config
+    from loong_models import build_foundation, build_model, build_transformer_config, fusion_fields
 
     tp, pp = mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()
+    ep = mpu.get_expert_model_parallel_world_size()
     online = is_hf_dir(source)
     model_cfg = read_hf_model(source) if online else config_from_meta(read_checkpoint_info(source).meta)
     cfg = foundation_of(model_cfg)
+    media = {}
+    if isinstance(tokens, dict):  # a VLM's inputs
+        media = {k: v for k, v in tokens.items() if k != "input_ids"}
+        tokens = tokens["input_ids"]
     tconfig = build_transformer_config(
         cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        **({"expert_model_parallel_size": ep} if cfg.moe is not None else {}),
+        **(fusion_fields(backend) if backend == "te" else {}),  # TE's grouped-GEMM experts, fused ops
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
     )  # fmt: skip
     first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
-    media = {}
-    if isinstance(tokens, dict):
-        media = {k: v for k, v in tokens.items() if k != "input_ids"}
-        tokens = tokens["input_ids"]
     if is_composed(model_cfg):
-        model_cfg = dataclasses.replace(model_cfg, layer_backend="local")
+        model_cfg = dataclasses.replace(model_cfg, layer_backend=backend)
         groups = None
         if encoder_tp is not None and encoder_tp != tp:
             from loong_parallel.component_groups import component_process_groups
@@ -59,10 +66,11 @@ def loong_logits(
             enc = dataclasses.replace(model_cfg.image_encoder, tensor_model_parallel_size=encoder_tp)
             model_cfg = dataclasses.replace(model_cfg, image_encoder=enc)
             groups = component_process_groups(encoder_tp)
-        model = build_model(model_cfg, tconfig, device_type="cpu", pre_process=first, post_process=last,
-                            encoder_pg_collection=groups)  # fmt: skip
+        model = build_model(model_cfg, tconfig, device_type=tokens.device.type, pre_process=first,
+                            post_process=last, encoder_pg_collection=groups)  # fmt: skip
     else:
-        model = build_foundation(cfg, tconfig, layer_backend="local", pre_process=first, post_process=last)
+        model = build_foundation(cfg, tconfig, layer_backend=backend, pre_process=first, post_process=last)
+    model.to(tokens.device)
     if online:
         load_hf_weights(source, [model], model_cfg)
     else:
@@ -91,7 +99,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--encoder-tp", type=int, default=None, help="a VLM image encoder's own TP size")
+    ap.add_argument("--read-log", help="write the HF tensor names each rank reads to <dir>/rank<r>.txt")
     ap.add_argument("jobs", nargs="+", help="source tokens.pt out.pt, repeated")
     args = ap.parse_args()
     if len(args.jobs) % 3:
@@ -102,15 +112,28 @@ def main() -> None:
 
     import loong_xpu
 
+    read: list[str] = []
+    if args.read_log:  # record what each rank reads from HF directories (EP ranks: their experts only)
+        from loong_ckpt.hf_io import HFReader
+
+        orig = HFReader.read
+
+        def logged(self, name, *a, **k):
+            read.append(name)
+            return orig(self, name, *a, **k)
+
+        HFReader.read = logged
     with loong_xpu.redirect_cuda(loong_xpu.get_accelerator("cpu")):
         dist.init_process_group("gloo")
-        mpu.initialize_model_parallel(args.tp, args.pp)
+        mpu.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
         model_parallel_cuda_manual_seed(0)
         for i in range(0, len(args.jobs), 3):
             source, tokens, out = args.jobs[i : i + 3]
-            logits = loong_logits(source, torch.load(tokens), args.encoder_tp)
-            if logits is not None:
+            logits = loong_logits(source, torch.load(tokens), encoder_tp=args.encoder_tp)
+            if logits is not None and mpu.get_data_parallel_rank() == 0:
                 torch.save(logits, out)
+        if args.read_log:
+            Path(args.read_log, f"rank{dist.get_rank()}.txt").write_text("\n".join(read))
         mpu.destroy_model_parallel()
         dist.destroy_process_group()
 

@@ -69,15 +69,28 @@ def validate(cfg: Config, world_size: int) -> int:
     try:
         f.validate()
         cfg.optim.validate()
-        cfg.parallel.validate(world_size, f.num_layers, f.num_attention_heads, f.query_groups)
+        moe = f.moe
+        cfg.parallel.validate(
+            world_size, f.num_layers, f.num_attention_heads, f.query_groups,
+            num_experts=moe.num_experts if moe else None, expert_ffn_hidden_size=moe.ffn_hidden_size if moe else None,
+            has_shared_experts=bool(moe and moe.shared_expert_intermediate_size),
+        )  # fmt: skip
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    inside_moe = {"expert_fc1", "moe_act"} & set(cfg.parallel.offload_activations)
+    if inside_moe and "moe" in (f.recompute_modules or []):
+        raise ConfigError(
+            f"parallel.offload_activations {sorted(inside_moe)} lie inside the MoE layer that "
+            "model.foundation.recompute_modules=[moe] recomputes; drop one of them (megatron's rule)"
+        )
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r}; allowed: {', '.join(DTYPES)}")
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0 (0 saves the initial weights)")
     if t.export_hf_interval < 0:
-        raise ConfigError(f"train.export_hf_interval={t.export_hf_interval} must be >= 0 (0 = at the end only)")
+        raise ConfigError(
+            f"train.export_hf_interval={t.export_hf_interval} must be >= 0 (0 = at the end only)"
+        )
     for key in ("micro_batch_size", "global_batch_size", "log_interval"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
@@ -94,8 +107,14 @@ def validate(cfg: Config, world_size: int) -> int:
             f"x data-parallel size = {t.micro_batch_size} x {dp} = {per_step}"
         )
     d = cfg.data
-    for error in validate_packing(d.packing, d.thd, d.balance, seq_length=d.seq_length, tp=cfg.parallel.tp,
-                                  sequence_parallel=cfg.parallel.sequence_parallel):
+    for error in validate_packing(
+        d.packing,
+        d.thd,
+        d.balance,
+        seq_length=d.seq_length,
+        tp=cfg.parallel.tp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    ):
         raise ConfigError(error)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")

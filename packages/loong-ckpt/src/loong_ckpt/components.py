@@ -43,17 +43,42 @@ class BoundRule:
     hf_renames: Renames = ()
     component: str = "foundation"
 
+    # The Rule interface (mapping.py), so that units / locate / the converter take bound rules as
+    # they are. The ``cfg`` the callers pass (the foundation's) is ignored: the bound one is used.
+
     @property
     def mcore(self) -> str:
         return self.mcore_prefix + self.rule.mcore
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        return tuple(self.mcore_prefix + a for a in self.rule.aliases)
 
     @property
     def layered(self) -> bool:
         return self.rule.layered
 
     @property
+    def expert(self) -> bool:
+        return self.rule.expert
+
+    @property
     def split(self):
         return self.rule.split
+
+    @property
+    def transform(self):
+        return self.rule.transform
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.rule.dtype
+
+    def applies(self, cfg: Any = None) -> bool:
+        return self.rule.applies(self.cfg)
+
+    def has_layer(self, cfg: Any, layer: int) -> bool:
+        return self.rule.has_layer(self.cfg, layer)
 
     def hf_name(self, name: str) -> str:
         for old, new in self.hf_renames:
@@ -61,22 +86,25 @@ class BoundRule:
                 return new + name[len(old) :]
         return name
 
-    def hf_names(self, layer: int | None) -> list[str]:
-        return [self.hf_name(n) for n in self.rule.hf_names(layer)]
+    def hf_names(self, layer: int | None, expert: int | None = None) -> list[str]:
+        return [self.hf_name(n) for n in self.rule.hf_names(layer, expert)]
 
-    def hf_shapes(self, mcore_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    def hf_shapes(self, mcore_shape: Sequence[int], cfg: Any = None) -> list[tuple[int, ...]]:
         return self.rule.hf_shapes(mcore_shape, self.cfg)
 
-    def to_mcore(self, hf: Sequence[torch.Tensor], padded_vocab: int) -> torch.Tensor:
+    def to_mcore(self, hf: Sequence[torch.Tensor], cfg: Any, padded_vocab: int) -> torch.Tensor:
         return self.rule.to_mcore(hf, self.cfg, padded_vocab)
 
-    def to_hf(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def to_hf(self, t: torch.Tensor, cfg: Any = None) -> list[torch.Tensor]:
         return self.rule.to_hf(t, self.cfg)
 
     def tp_shard(
-        self, reader: SliceReader, layer: int | None, tp_rank: int, tp_size: int, padded: int
-    ) -> torch.Tensor:
-        return self.rule.tp_shard(_RenamedReader(reader, self), layer, self.cfg, tp_rank, tp_size, padded)
+        self, reader: SliceReader, layer: int | None, cfg: Any, tp_rank: int, tp_size: int, padded_vocab: int,
+        expert: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return self.rule.tp_shard(
+            _RenamedReader(reader, self), layer, self.cfg, tp_rank, tp_size, padded_vocab, expert
+        )
 
 
 class _RenamedReader:
@@ -217,21 +245,27 @@ def same_model(a: Any, b: Any) -> bool:
 # --- rules bound to a model -------------------------------------------------------------------
 
 
-def bind(cfg: Any, naming: str | None = None) -> list[BoundRule]:
-    """Every rule the model of ``cfg`` has, bound to its component (``naming``: which HF naming
-    of a composed architecture; its default is what transformers' save_pretrained writes)."""
+def bind_components(cfg: Any, naming: str | None = None) -> list[tuple[list[Rule | BoundRule], Any]]:
+    """Per component, the rules the model of ``cfg`` has and the config that counts its layers /
+    experts (``naming``: which HF naming of a composed architecture; its default is what
+    transformers' save_pretrained writes). A text model: its family's own rules, unchanged."""
     if not is_composed(cfg):
         f = foundation_of(cfg)
-        return [BoundRule(r, f) for r in get_mapping(f.family).rules if r.applies(f)]
+        return [([r for r in get_mapping(f.family).rules if r.applies(f)], f)]
     m = mapping_of(cfg)
     naming = naming or next(iter(m.namings))
     out = []
     for comp in m.components:
         shapes = comp.shapes(cfg)
-        for r in comp.rules(cfg):
-            if r.applies(shapes):
-                out.append(BoundRule(r, shapes, comp.mcore_prefix, comp.hf_renames[naming], comp.component))
+        rules = [BoundRule(r, shapes, comp.mcore_prefix, comp.hf_renames[naming], comp.component)
+                 for r in comp.rules(cfg) if r.applies(shapes)]  # fmt: skip
+        out.append((rules, shapes))
     return out
+
+
+def bind(cfg: Any, naming: str | None = None) -> list[Rule | BoundRule]:
+    """Every rule of the model of ``cfg``, all components together."""
+    return [r for rules, _ in bind_components(cfg, naming) for r in rules]
 
 
 def naming_of(cfg: Any, tensor_names: set[str], source: str) -> str | None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import resource
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,7 @@ import torch
 from tqdm import tqdm
 
 from loong_ckpt.components import (
-    BoundRule,
-    bind,
+    bind_components,
     checkpoint_meta,
     config_from_meta,
     foundation_of,
@@ -35,8 +35,10 @@ from loong_ckpt.components import (
 from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files
 from loong_ckpt.log import logger
+from loong_ckpt.mapping import Rule, Unit, layer_key, locate, units
 from loong_ckpt.mcore_io import Chunk, model_template, read_metadata, read_regions, write_checkpoint
 from loong_ckpt.training import FORMAT_VERSION, META_FILE, PARTIAL_SUFFIX, _write_atomic
+from loong_models import FoundationConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -91,9 +93,9 @@ def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
         partial.rename(out)
 
 
-def check_layout(cfg: Any, tp: int, pp: int) -> None:
-    """The TP / PP layout must be able to hold the model (a FoundationConfig, or a composed
-    ModelConfig: then its foundation, and its encoder's heads)."""
+def check_layout(cfg: Any, tp: int, pp: int, ep: int = 1) -> None:
+    """The TP / PP / EP layout must be able to hold the model (a FoundationConfig, or a composed
+    ModelConfig: its foundation, and its image encoder's heads)."""
     if is_composed(cfg):
         enc = cfg.image_encoder
         enc_tp = enc.tensor_model_parallel_size or tp
@@ -102,14 +104,21 @@ def check_layout(cfg: Any, tp: int, pp: int) -> None:
                 f"--tp={enc_tp} must divide the image encoder's attention heads ({enc.num_attention_heads})"
             )
         cfg = foundation_of(cfg)
-    if tp < 1 or pp < 1:
-        raise ConversionError(f"--tp={tp} --pp={pp}: both must be >= 1")
-    if cfg.num_attention_heads % tp or cfg.query_groups % tp:
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConversionError(f"--tp={tp} --pp={pp} --ep={ep}: all must be >= 1")
+    if cfg.mla is None and (cfg.num_attention_heads % tp or cfg.query_groups % tp):
         raise ConversionError(
             f"--tp={tp} must divide the attention heads ({cfg.num_attention_heads}) and KV groups ({cfg.query_groups})"
         )
+    if cfg.mla is not None and cfg.num_attention_heads % tp:
+        raise ConversionError(f"--tp={tp} must divide the attention heads ({cfg.num_attention_heads})")
     if cfg.num_layers % pp:
         raise ConversionError(f"--pp={pp} must divide the model's {cfg.num_layers} layers")
+    moe = cfg.moe
+    if ep > 1 and (moe is None or moe.num_experts % ep):
+        raise ConversionError(
+            f"--ep={ep} must divide the model's routed experts ({moe.num_experts if moe else 'none'})"
+        )
     if cfg.padded_vocab_size(tp) != cfg.padded_vocab_size(1):
         raise ConversionError(
             f"--tp={tp} changes the padded vocabulary ({cfg.padded_vocab_size(1)} -> {cfg.padded_vocab_size(tp)}); "
@@ -117,20 +126,40 @@ def check_layout(cfg: Any, tp: int, pp: int) -> None:
         )
 
 
-def _layer_shape(key: str, shape: tuple[int, ...], layered: bool) -> tuple[int, ...]:
-    return shape[1:] if layered else shape
+def plan_units(rules: list[Rule], cfg: FoundationConfig, keys: Collection[str], where: str) -> list[Unit]:
+    """Every (rule, layer, expert) tensor of ``cfg`` located among checkpoint ``keys``."""
+    out = []
+    for rule, layer, expert in units(rules, cfg):
+        unit = locate(rule, layer, expert, keys)
+        if unit is None:
+            at = (
+                rule.mcore
+                if layer is None
+                else f"{rule.mcore} (layer {layer}, or {layer_key(rule.mcore, layer)})"
+            )
+            raise ConversionError(f"{where}: megatron key {at} is missing")
+        out.append(unit)
+    return out
 
 
-def _groups(rules: list[BoundRule], layers: dict[str, int]) -> list[tuple[BoundRule, int | None]]:
-    """Non-layer tensors first, then layer by layer (HF's usual order); ``layers``: megatron key
-    -> number of layers (each component of a composed model has its own)."""
-    flat = [(r, None) for r in rules if not r.layered]
-    most = max((layers[r.mcore] for r in rules if r.layered), default=0)
-    return flat + [(r, i) for i in range(most) for r in rules if r.layered and i < layers[r.mcore]]
-
-
-def _num_layers(rule: BoundRule) -> int:
-    return rule.cfg.num_layers  # the rule's component's layers
+def check_hf_extras(reader: HFReader, cfg: FoundationConfig) -> None:
+    """HF tensors that this mapping would silently drop but that carry model behaviour."""
+    beyond = sorted(n for n in reader.tensors
+                    if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= cfg.num_layers)  # fmt: skip
+    if beyond:
+        raise ConversionError(
+            f"{reader.path}: {len(beyond)} tensors belong to layers beyond num_hidden_layers={cfg.num_layers} "
+            f"(e.g. {beyond[0]}): multi-token-prediction (MTP) layers are not supported; "
+            "remove them (and set num_nextn_predict_layers=0) to convert the main model"
+        )
+    if fused := sorted(
+        n for n in reader.tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    ):
+        raise ConversionError(
+            f"{reader.path}: {fused[0]} holds all experts fused (transformers' internal layout, written by "
+            "save_pretrained(save_original_format=False)); supported: one tensor per expert, "
+            "model.layers.<i>.mlp.experts.<e>.{gate,up,down}_proj.weight (save_pretrained's default)"
+        )
 
 
 def hf_to_mcore(
@@ -139,6 +168,7 @@ def hf_to_mcore(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     dtype: str | None = None,
     name: str | None = None,
     force: bool = False,
@@ -149,66 +179,69 @@ def hf_to_mcore(
     src, out = Path(src), Path(out).absolute()
     check_output_dir(out, force)
     reader = HFReader(src)
-    cfg = model_from_hf(reader.config, str(src / CONFIG_FILE))
-    check_layout(cfg, tp, pp)
-    naming = naming_of(cfg, set(reader.tensors), str(src))
-    rules = bind(cfg, naming)
-    template = model_template(cfg)
-    _check_rules_cover(template.tensors, rules, mapping_of(cfg).name if is_composed(cfg) else cfg.family)
-    padded = foundation_of(cfg).padded_vocab_size(tp)
-    layers = {r.mcore: template.tensors[r.mcore][0] for r in rules if r.layered}
+    model_cfg = model_from_hf(reader.config, str(src / CONFIG_FILE))  # a ModelConfig for a VLM
+    cfg = foundation_of(model_cfg)
+    check_layout(model_cfg, tp, pp, ep)
+    check_hf_extras(reader, cfg)
+    naming = naming_of(model_cfg, set(reader.tensors), str(src))
+    what = mapping_of(model_cfg).name if is_composed(model_cfg) else cfg.family
+    template = model_template(model_cfg)
+    where = f"family {what}: a rule names a key the built model lacks;"
+    plan = [u for rules, counts in bind_components(model_cfg, naming)  # per component: its own layers
+            for u in plan_units(rules, counts, template.tensors, where)]  # fmt: skip
+    rules = [u.rule for u in plan if u.layer is None]
+    _check_rules_cover(template.tensors, plan, what)
+    padded = cfg.padded_vocab_size(tp)
 
     # Validate every HF tensor's presence and shape before writing anything.
     used: set[str] = set()
-    for rule, layer in _groups(rules, layers):
-        layer_shape = _layer_shape(rule.mcore, template.tensors[rule.mcore], rule.layered)
-        for hf_name, expected in zip(rule.hf_names(layer), rule.hf_shapes(layer_shape)):
+    for u in plan:
+        unit_shape = template.tensors[u.key][len(u.prefix) :]
+        for hf_name, expected in zip(u.rule.hf_names(u.layer, u.expert), u.rule.hf_shapes(unit_shape, cfg)):
             if hf_name not in reader:
-                raise ConversionError(f"{src}: tensor {hf_name} (for megatron key {rule.mcore}) is missing")
+                raise ConversionError(f"{src}: tensor {hf_name} (for megatron key {u.key}) is missing")
             got = reader.shape(hf_name)
             if got != expected:
                 raise ConversionError(
                     f"{src / CONFIG_FILE} does not match the weights: {hf_name} in {reader.info(hf_name).file.name} "
-                    f"has shape {got}, the config implies {expected} (megatron key {rule.mcore})"
+                    f"has shape {got}, the config implies {expected} (megatron key {u.key})"
                 )
             used.add(hf_name)
-    tied = {r.hf_name("lm_head.weight") for r in rules} if foundation_of(cfg).tie_word_embeddings else set()
-    unused = sorted(set(reader.tensors) - used - tied)
+    unused = sorted(set(reader.tensors) - used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     if unused:
         logger.warning("%d HF tensors are not converted: %s", len(unused), ", ".join(unused[:8]))
-    first = next(r for r in rules if not r.layered)
-    out_dtype = parse_dtype(dtype) or reader.info(first.hf_names(None)[0]).dtype
+    out_dtype = parse_dtype(dtype) or reader.info(rules[0].hf_names(None)[0]).dtype
 
-    chunks = []
-    for key, shape in template.tensors.items():
-        if key in template.layered:
-            chunks += [Chunk(key, shape, (i,) + (0,) * (len(shape) - 1), (1, *shape[1:]), out_dtype)
-                       for i in range(shape[0])]  # fmt: skip
-        else:
-            chunks.append(Chunk(key, shape, (0,) * len(shape), shape, out_dtype))
-    by_key = {r.mcore: r for r in rules}
+    chunks, by_chunk = [], {}
+    for u in plan:
+        shape = template.tensors[u.key]
+        n = len(u.prefix)
+        c = Chunk(
+            u.key, shape, u.prefix + (0,) * (len(shape) - n), (1,) * n + shape[n:], u.rule.dtype or out_dtype
+        )
+        chunks.append(c)
+        by_chunk[(c.key, c.offsets)] = u
     bar = tqdm(total=len(chunks), unit="tensor", desc="hf-to-mcore", disable=not progress)
 
     def compute(chunk: Chunk) -> torch.Tensor:
-        rule = by_key[chunk.key]
-        layer = chunk.offsets[0] if rule.layered else None
-        t = rule.to_mcore([reader.read(n) for n in rule.hf_names(layer)], padded)
+        u = by_chunk[(chunk.key, chunk.offsets)]
+        t = u.rule.to_mcore([reader.read(n) for n in u.rule.hf_names(u.layer, u.expert)], cfg, padded)
         bar.update(1)
-        return t.unsqueeze(0) if rule.layered else t
+        return t.reshape(chunk.sizes)
 
     name = name or model_name(src)
     with atomic_output_dir(out, force) as tmp:
         write_checkpoint(tmp, chunks, template.objects, compute)
         bar.close()
         copied = copy_tokenizer_files(src, tmp)
-        write_any_model_yaml(cfg, tmp / "configs", name)
+        write_any_model_yaml(model_cfg, tmp / "configs", name)
         meta: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "step": 0,
-            "layout": None,  # layout-free: global tensors, loadable with any TP / PP
-            "target_layout": {"tp": tp, "pp": pp},
+            "layout": None,  # layout-free: global tensors, loadable with any TP / PP / EP
+            "target_layout": {"tp": tp, "pp": pp, **({"ep": ep} if cfg.moe is not None else {})},
             "time": time.time(),
-            **checkpoint_meta(cfg),  # foundation (+ the other components of a composed model)
+            **checkpoint_meta(model_cfg),  # foundation (+ the other components of a composed model)
             "hf_config": reader.config,
             "source": {"hf_dir": str(src.absolute()), "converter": "loong-convert hf-to-mcore"},
             "model_name": name,
@@ -221,25 +254,41 @@ def hf_to_mcore(
         command += f" data.tokenizer={out}"
     if tp > 1 or pp > 1:
         command += f" parallel.tp={tp} parallel.pp={pp}"
+    if ep > 1:
+        command += f" parallel.ep={ep}"
     res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(chunks), command, name)
-    logger.info("wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(chunks), res.seconds, res.peak_rss_mib)
+    logger.info(
+        "wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(chunks), res.seconds, res.peak_rss_mib
+    )
     return res
 
 
-def _check_rules_cover(tensors: dict[str, tuple[int, ...]], rules: list[BoundRule], family: str) -> None:
-    keys = {r.mcore for r in rules}
-    if missing := sorted(set(tensors) - keys):
+def _check_rules_cover(tensors: dict[str, tuple[int, ...]], plan: list[Unit], family: str) -> None:
+    """The rules account for every tensor of the model, and every stacked axis is filled."""
+    if missing := sorted(set(tensors) - {u.key for u in plan}):
         raise ConversionError(f"family {family}: no mapping rule for megatron keys {missing}")
-    if extra := sorted(keys - set(tensors)):
-        raise ConversionError(f"family {family}: rules name megatron keys the model does not have: {extra}")
+    filled: dict[str, set[tuple[int, ...]]] = {}
+    for u in plan:
+        filled.setdefault(u.key, set()).add(u.prefix)
+    for key, prefixes in filled.items():
+        n = len(next(iter(prefixes)))
+        expected = 1
+        for s in tensors[key][:n]:
+            expected *= s
+        if len(prefixes) != expected:
+            raise ConversionError(
+                f"family {family}: the rules give {len(prefixes)} of the {expected} tensors stacked in {key} "
+                f"{tensors[key][:n]}"
+            )
 
 
-def _checkpoint_model(src: Path, model: Any | None) -> tuple[Any, dict]:
-    """The model config of a checkpoint: ``model`` when given, else what loong.json records."""
+def _checkpoint_model(src: Path, foundation: Any | None) -> tuple[Any, dict]:
+    """The model config of a checkpoint (a FoundationConfig, or a composed ModelConfig): the one
+    given, else what loong.json records."""
     meta_path = src / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    if model is not None:
-        return model, meta
+    if foundation is not None:
+        return foundation, meta
     if not (src / "metadata.json").is_file():
         raise ConversionError(f"{src} is not a megatron distributed checkpoint: metadata.json is missing")
     if "foundation" not in meta:
@@ -256,75 +305,83 @@ def mcore_to_hf(
     *,
     dtype: str | None = None,
     tokenizer: str | Path | None = None,
-    foundation: Any | None = None,
+    foundation: FoundationConfig | None = None,
     force: bool = False,
     progress: bool = True,
     max_shard_bytes: int = 2 * 2**30,
 ) -> ConvertResult:
-    """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``.
-    ``foundation``: the model config (a FoundationConfig, or a composed ModelConfig) when the
-    checkpoint does not record it."""
+    """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     check_output_dir(out, force)
     if src.name.endswith(PARTIAL_SUFFIX):
         raise ConversionError(f"{src} is an incomplete checkpoint (interrupted save); it cannot be converted")
-    cfg, meta = _checkpoint_model(src, foundation)
+    model_cfg, meta = _checkpoint_model(src, foundation)
+    cfg = foundation_of(model_cfg)
     stored = read_metadata(src)
-    rules = bind(cfg, meta.get("hf_naming"))
-    layer_shapes: dict[str, tuple[int, ...]] = {}
-    for r in rules:
-        if r.mcore not in stored:
-            raise ConversionError(f"{src}: megatron key {r.mcore} is missing from the checkpoint")
-        shape = tuple(stored[r.mcore].size)
-        if r.layered and shape[0] != _num_layers(r):
+    where = f"{src} does not match its model config;"
+    plan_u = [u for rules, counts in bind_components(model_cfg, meta.get("hf_naming"))
+              for u in plan_units(rules, counts, stored, where)]  # fmt: skip
+    unit_shapes: dict[str, tuple[int, ...]] = {}
+    for u in plan_u:
+        shape = tuple(stored[u.key].size)
+        if len(shape) < len(u.prefix) or any(i >= n for i, n in zip(u.prefix, shape)):
+            what = "layers / experts" if u.expert is not None else "layers"
             raise ConversionError(
-                f"{src}: {r.mcore} holds {shape[0]} layers, the model config has {_num_layers(r)} "
-                f"({r.component})"
+                f"{src}: {u.key} has shape {shape}, too few {what} for layer {u.layer}"
+                + (f" expert {u.expert}" if u.expert is not None else "")
+                + f" of the model config ({cfg.num_layers} layers)"
             )
-        layer_shapes[r.mcore] = _layer_shape(r.mcore, shape, r.layered)
+        unit_shapes[u.key] = shape[len(u.prefix) :]
     out_dtype = parse_dtype(dtype)
-    groups = _groups(rules, {r.mcore: _num_layers(r) for r in rules if r.layered})
     plan = []
-    for rule, layer in groups:
-        dt = out_dtype or stored[rule.mcore].properties.dtype
-        for n, s in zip(rule.hf_names(layer), rule.hf_shapes(layer_shapes[rule.mcore])):
-            plan.append((n, s, dt))
-    final_dtype = plan[0][2]
+    for u in plan_u:
+        dt = out_dtype if out_dtype is not None and u.rule.dtype is None else stored[u.key].properties.dtype
+        for n, sh in zip(u.rule.hf_names(u.layer, u.expert), u.rule.hf_shapes(unit_shapes[u.key], cfg)):
+            plan.append((n, sh, dt))
+    final_dtype = out_dtype or stored[plan_u[0].key].properties.dtype
     tok_src = tokenizer or src
     with atomic_output_dir(out, force) as tmp:
         writer = SafetensorsWriter(tmp, plan, max_shard_bytes)
         bar = tqdm(total=len(plan), unit="tensor", desc="mcore-to-hf", disable=not progress)
         try:
-            # One read per layer (every key of that layer), then the non-layer tensors.
-            current, buffers = None, {}
-            for rule, layer in groups:
-                if layer != current or not buffers:
-                    current, buffers = layer, _read_group(src, rules, layer, layer_shapes, stored)
-                for n, t in zip(rule.hf_names(layer), rule.to_hf(buffers[rule.mcore])):
-                    writer.write(n, t.to(out_dtype or t.dtype))
-                    bar.update(1)
+            # One read per group: the non-layer tensors, each layer's own tensors, each of its experts.
+            for group in _consecutive(plan_u):
+                buffers = _read_units(src, group, unit_shapes, stored)
+                for u in group:
+                    keep = u.rule.dtype is not None or out_dtype is None
+                    for n, t in zip(u.rule.hf_names(u.layer, u.expert), u.rule.to_hf(buffers[u.key], cfg)):
+                        writer.write(n, t if keep else t.to(out_dtype))
+                        bar.update(1)
             writer.close()
         finally:
             writer.abort()
             bar.close()
-        hf_cfg = model_to_hf(cfg, final_dtype, meta.get("hf_config"))
+        hf_cfg = model_to_hf(model_cfg, final_dtype, meta.get("hf_config"))
         copy_tokenizer_files(tok_src, tmp)
         _write_atomic(tmp / CONFIG_FILE, json.dumps(hf_cfg, indent=2) + "\n")
     res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(plan))
-    logger.info("wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(plan), res.seconds, res.peak_rss_mib)
+    logger.info(
+        "wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(plan), res.seconds, res.peak_rss_mib
+    )
     return res
 
 
-def _read_group(src: Path, rules: list[BoundRule], layer: int | None, layer_shapes, stored) -> dict:
+def _consecutive(plan: list[Unit]) -> Iterator[list[Unit]]:
+    group: list[Unit] = []
+    for u in plan:
+        if group and (group[-1].layer, group[-1].expert) != (u.layer, u.expert):
+            yield group
+            group = []
+        group.append(u)
+    if group:
+        yield group
+
+
+def _read_units(src: Path, group: list[Unit], unit_shapes, stored) -> dict[str, torch.Tensor]:
     regions = {}
-    for r in rules:
-        if (layer is None) == r.layered or (r.layered and layer >= stored[r.mcore].size[0]):
-            continue
-        shape, dt = layer_shapes[r.mcore], stored[r.mcore].properties.dtype
-        if r.layered:
-            regions[r.mcore] = ((layer,) + (0,) * len(shape), torch.empty(1, *shape, dtype=dt))
-        else:
-            regions[r.mcore] = ((0,) * len(shape), torch.empty(*shape, dtype=dt))
+    for u in group:
+        shape, dt, n = unit_shapes[u.key], stored[u.key].properties.dtype, len(u.prefix)
+        regions[u.key] = (u.prefix + (0,) * len(shape), torch.empty(*(1,) * n, *shape, dtype=dt))
     read_regions(src, regions)
-    return {k: (buf[0] if layer is not None else buf) for k, (_, buf) in regions.items()}
+    return {u.key: regions[u.key][1].reshape(unit_shapes[u.key]) for u in group}

@@ -1,8 +1,10 @@
 """Online HF I/O for a running job: load HF weights straight into model chunks, export HF weights.
 
 Loading: every rank walks its own chunks' ``sharded_state_dict()`` (so only its pipeline stage's
-layers), finds each key's rule and reads only the slices its tensor-parallel rank holds
-(``safetensors`` ``get_slice``), then copies them into the parameters.
+layers, and only its expert-parallel rank's experts, named by their global expert ids), finds each
+key's rule and reads only the slices its tensor-parallel rank holds (``safetensors``
+``get_slice``; expert tensors by the expert-tensor-parallel rank), then copies them into the
+parameters.
 
 Exporting: the job's megatron checkpoint already holds global tensors, so rank 0 converts the
 checkpoint just saved (streaming, bounded memory) while the other ranks wait; no weights are
@@ -22,6 +24,7 @@ from loong_ckpt.components import (
     component_diff,
     foundation_of,
     is_composed,
+    mapping_of,
     model_from_hf,
     naming_of,
     same_model,
@@ -29,6 +32,7 @@ from loong_ckpt.components import (
 from loong_ckpt.hf_config import ConversionError
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, is_hf_dir
 from loong_ckpt.log import logger
+from loong_ckpt.mapping import rule_key
 from loong_ckpt.training import _unwrap
 from loong_models import FoundationConfig
 
@@ -53,18 +57,24 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Any) -
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
+    from loong_ckpt.convert import check_hf_extras
+
     reader = HFReader(path)
     hf_cfg = model_from_hf(reader.config, str(Path(path) / CONFIG_FILE))
-    if not is_composed(cfg):
-        cfg = foundation_of(cfg)  # a text-only ModelConfig works too
-    if not same_model(hf_cfg, cfg):
+    model_cfg = cfg if is_composed(cfg) else foundation_of(cfg)  # a text-only ModelConfig works too
+    cfg = foundation_of(model_cfg)
+    if not same_model(hf_cfg, model_cfg):
         raise ConversionError(
-            f"{Path(path) / CONFIG_FILE} describes a different model than the model config: "
-            f"{_diff(hf_cfg, cfg)}"
+            f"{Path(path) / CONFIG_FILE} describes a different model than model.foundation: "
+            f"{_diff(hf_cfg, model_cfg)}"
         )
-    rules = {r.mcore: r for r in bind(cfg, naming_of(cfg, set(reader.tensors), str(path)))}
-    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
-    padded = foundation_of(cfg).padded_vocab_size(tp_size)
+    check_hf_extras(reader, cfg)
+    what = mapping_of(model_cfg).name if is_composed(model_cfg) else cfg.family
+    naming = naming_of(model_cfg, set(reader.tensors), str(path))
+    rules = {k: r for r in bind(model_cfg, naming) for k in (r.mcore, *r.aliases)}
+    tp = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    etp = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
+    padded = cfg.padded_vocab_size(tp[1])
     loaded = 0
     for chunk in chunks:
         for name, entry in _unwrap(chunk).sharded_state_dict().items():
@@ -72,17 +82,29 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Any) -
                 continue
             data = entry.data
             sh = entry.build()[0] if isinstance(entry, ShardedTensorFactory) else entry
-            rule = rules.get(sh.key)
+            key, layer = rule_key(sh.key)
+            rule = rules.get(key)
             if rule is None:
-                raise ConversionError(f"no mapping rule for megatron key {sh.key} ({name})")
-            layer = sh.global_offset[0] if rule.layered else None
-            # A component may run at TP=1 inside a larger foundation TP (a replicated image
-            # encoder): a parameter holding its whole global tensor is loaded whole.
-            whole = tuple(data.shape) == tuple(sh.global_shape[sh.prepend_axis_num :])
-            local = rule.tp_shard(reader, layer, *((0, 1) if whole else (tp_rank, tp_size)), padded)
+                raise ConversionError(
+                    f"family {what}: no mapping rule for megatron key {sh.key} ({name})"
+                )
+            axis = 0  # the prepended axes: the stacked layer (unless the key is indexed), then the expert
+            if rule.layered and layer is None:
+                layer, axis = sh.global_offset[0], 1
+            expert = sh.global_offset[axis] if rule.expert else None
+            rank, size = etp if rule.expert else tp
+            dim = rule.split.dim
+            if dim is not None and sh.axis_fragmentations[sh.prepend_axis_num + dim] == 1:
+                rank, size = (
+                    0,
+                    1,
+                )  # a linear this layer spec keeps whole on every rank (TE's MLA down projections)
+            if tuple(data.shape) == tuple(sh.global_shape[sh.prepend_axis_num :]):
+                rank, size = 0, 1  # the whole tensor on every rank (an image encoder at TP=1 in TP=2)
+            local = rule.tp_shard(reader, layer, cfg, rank, size, padded, expert)
             if local.shape != data.shape:
                 raise ConversionError(
-                    f"{path}: {', '.join(rule.hf_names(layer))} give {tuple(local.shape)} for {name}, "
+                    f"{path}: {', '.join(rule.hf_names(layer, expert))} give {tuple(local.shape)} for {name}, "
                     f"the model holds {tuple(data.shape)} on this rank"
                 )
             with torch.no_grad():
@@ -93,12 +115,18 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Any) -
 
 
 def _diff(a: Any, b: Any) -> str:
-    from loong_ckpt.hf_config import ARCH_FIELDS
-
     if is_composed(a) or is_composed(b):
         return component_diff(a, b)
-    diffs = [f"{k}: {getattr(a, k)!r} (HF) != {getattr(b, k)!r}" for k in ARCH_FIELDS if getattr(a, k) != getattr(b, k)]
-    return "; ".join(diffs) or "head_dim / KV groups differ"
+    a, b = foundation_of(a), foundation_of(b)
+    return _foundation_diff(a, b)
+
+
+def _foundation_diff(a: FoundationConfig, b: FoundationConfig) -> str:
+    from loong_ckpt.hf_config import arch_diff
+
+    return (
+        "; ".join(d.replace(" != ", " (HF) != ", 1) for d in arch_diff(a, b)) or "head_dim / KV groups differ"
+    )
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None) -> Path:

@@ -46,10 +46,12 @@ class PackedQKVRule(Rule):
 
     transform: Transform = PACKED_QKV
 
-    def tp_shard(self, reader: SliceReader, layer, cfg, tp_rank: int, tp_size: int, padded_vocab: int):
+    def tp_shard(
+        self, reader: SliceReader, layer, cfg, tp_rank: int, tp_size: int, padded_vocab: int, expert=None
+    ):
         if tp_size == 1:
-            return super().tp_shard(reader, layer, cfg, tp_rank, tp_size, padded_vocab)
-        (name,) = self.hf_names(layer)
+            return super().tp_shard(reader, layer, cfg, tp_rank, tp_size, padded_vocab, expert)
+        (name,) = self.hf_names(layer, expert)
         third = reader.shape(name)[0] // 3
         per = third // tp_size
         parts = [
@@ -66,6 +68,7 @@ class AttentionShapes:
     num_attention_heads: int
     head_dim: int
     vocab_size: int = 0
+    moe: None = None  # no experts (mapping.units counts them from here)
 
     @property
     def query_groups(self) -> int:
