@@ -379,7 +379,12 @@ def test_online_load_needs_the_same_model(vlm):
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "tp,pp,etp,kinds",
-    [(2, 1, None, ("ckpt", "hf")), (2, 1, 1, ("hf",)), (1, 2, None, ("ckpt", "hf"))],
+    [
+        (2, 1, None, ("ckpt", "hf")),
+        # ~40 s of CPU per torchrun launch: the other layouts are slow (they still run in CI)
+        pytest.param(2, 1, 1, ("hf",), marks=pytest.mark.slow),
+        pytest.param(1, 2, None, ("ckpt", "hf"), marks=pytest.mark.slow),
+    ],
     ids=["tp2", "tp2-encoder-tp1", "pp2"],
 )
 def test_parallel_logits_match_hf(vlm, tmp_path, tp, pp, etp, kinds):
