@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hf_models import hf_logits, make_hf_model
+from hf_models import hf_logits, hf_vlm_logits, make_hf_model, make_hf_vlm, vlm_inputs
 
 HERE = Path(__file__).parent
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -25,7 +25,7 @@ class Converted:
     family: str
     hf: Path
     ckpt: Path
-    tokens: Path
+    tokens: Path  # token ids [batch, seq], or a VLM's input dict (input_ids, pixel_values, image_grid_thw)
     ref: torch.Tensor  # HF logits for the tokens
 
 
@@ -37,12 +37,15 @@ def worker_env() -> dict[str, str]:
 
 
 def run_workers(
-    jobs: list[tuple[Path, Path, Path]], *, tp: int, pp: int, ep: int = 1, read_log: Path | None = None
-) -> list[torch.Tensor]:
+    jobs: list[tuple[Path, Path, Path]], *, tp: int, pp: int, ep: int = 1, read_log: Path | None = None,
+    encoder_tp: int | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
     """Loong logits of each (source, tokens, out) job at TP x PP (x EP), in one torchrun launch;
-    ``read_log``: a directory where each rank lists the HF tensors it read."""
+    ``read_log``: a directory where each rank lists the HF tensors it read; ``encoder_tp``: a VLM
+    image encoder's own TP size."""
     script = [str(HERE / "parity_worker.py"), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
     script += ["--read-log", str(read_log)] if read_log else []
+    script += ["--encoder-tp", str(encoder_tp)] if encoder_tp is not None else []
     script += [str(x) for job in jobs for x in job]
     launcher = [
         sys.executable,
@@ -85,3 +88,18 @@ def get_converted(tmp_path_factory, family: str) -> Converted:
         torch.save(tokens, base / "tokens.pt")
         _CONVERTED[family] = Converted(family, hf, base / "ckpt", base / "tokens.pt", hf_logits(hf, tokens))
     return _CONVERTED[family]
+
+
+def get_converted_vlm(tmp_path_factory) -> Converted:
+    """The tiny Qwen2.5-VL, its Loong checkpoint and HF's logits on a real image + text, made once."""
+    from loong_ckpt import hf_to_mcore
+
+    if "qwen2.5-vl" not in _CONVERTED:
+        base = tmp_path_factory.mktemp("qwen2.5-vl")
+        hf = make_hf_vlm(base / "hf", max_shard_size="100KB")
+        hf_to_mcore(hf, base / "ckpt", progress=False)
+        inputs = vlm_inputs()
+        torch.save(inputs, base / "inputs.pt")
+        _CONVERTED["qwen2.5-vl"] = Converted("qwen2.5-vl", hf, base / "ckpt", base / "inputs.pt",
+                                             hf_vlm_logits(hf, inputs))  # fmt: skip
+    return _CONVERTED["qwen2.5-vl"]

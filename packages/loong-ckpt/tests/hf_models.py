@@ -66,3 +66,80 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(tokens).logits
+
+
+# --- a tiny Qwen2.5-VL -------------------------------------------------------------------------
+
+# Token ids of the tiny VLM's vision markers (inside its vocabulary of 1000).
+VLM_TOKENS = {
+    "image_token_id": 990, "video_token_id": 991, "vision_start_token_id": 992, "vision_end_token_id": 993,
+}  # fmt: skip
+# A real photo (scikit-image's "chelsea", bundled with loong-data's multimodal sample).
+IMAGE = Path(__file__).parents[3] / "packages/loong-data/src/loong_data/corpus/vlm_sample/images/chelsea.jpg"
+
+
+def make_hf_vlm(path: Path, *, tie: bool = False, seed: int = 0, max_shard_size: str | None = None,
+                vision: dict | None = None) -> Path:
+    """A tiny random ``Qwen2_5_VLForConditionalGeneration`` (real patch geometry: 14 px, 2 frames,
+    merge 2; window attention in block 0, full attention in block 1)."""
+    import transformers
+
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512, rms_norm_eps=1e-6,
+            bos_token_id=None, eos_token_id=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2, window_size=56, out_hidden_size=64, fullatt_block_indexes=[1],
+            tokens_per_second=2, **(vision or {}),
+        ),
+        tie_word_embeddings=tie, **VLM_TOKENS,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # random norms and biases too, so that a swapped tensor cannot go unnoticed
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def vlm_inputs(image: Path = IMAGE, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Text with one image, as HF's Qwen2-VL image processor prepares it: ``input_ids [1, S]``
+    (``<|vision_start|>``, one ``<|image_pad|>`` per merged patch, ``<|vision_end|>`` between random
+    text), ``pixel_values [N, 3*2*14*14]``, ``image_grid_thw [1, 3]``."""
+    import transformers
+    from PIL import Image
+
+    proc = transformers.Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 56 * 56, "longest_edge": 112 * 168}, patch_size=14, temporal_patch_size=2,
+        merge_size=2,
+    )  # fmt: skip
+    out = proc(images=[Image.open(image)], return_tensors="pt")
+    grid = out["image_grid_thw"]
+    n = int(grid.prod()) // 4
+    g = torch.Generator().manual_seed(seed)
+    t = VLM_TOKENS
+    ids = torch.cat([
+        torch.randint(0, 990, (10,), generator=g), torch.tensor([t["vision_start_token_id"]]),
+        torch.full((n,), t["image_token_id"]), torch.tensor([t["vision_end_token_id"]]),
+        torch.randint(0, 990, (12,), generator=g),
+    ])[None]  # fmt: skip
+    return {"input_ids": ids, "pixel_values": out["pixel_values"], "image_grid_thw": grid}
+
+
+def hf_vlm_logits(path: Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    import transformers
+
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    ids = inputs["input_ids"]
+    # mm_token_type_ids (as the HF processor returns them) make transformers use the 3-D positions
+    types = (ids == VLM_TOKENS["image_token_id"]).long()
+    with torch.no_grad():
+        return model(**inputs, mm_token_type_ids=types).logits

@@ -7,7 +7,9 @@ With ``--ep N`` (MoE models) the world has tp * pp * N ranks: data parallel N, e
 every rank runs the same tokens, so the logits of any data-parallel rank are the model's.
 
 Writes the full-vocabulary logits [batch, seq, vocab] (fp32) from the last pipeline stage. Several
-jobs per launch: importing megatron-core costs ~10 s per process on a small host.
+jobs per launch: importing megatron-core costs ~10 s per process on a small host. ``tokens.pt``
+holds token ids [batch, seq], or for a VLM a dict of model inputs (``input_ids [1, S]``,
+``pixel_values``, ``image_grid_thw``); ``--encoder-tp`` sets a VLM image encoder's own TP size.
 """
 
 from __future__ import annotations
@@ -22,25 +24,32 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 
-def loong_logits(source: str | Path, tokens: torch.Tensor, backend: str = "local") -> torch.Tensor | None:
+def loong_logits(
+    source: str | Path, tokens: torch.Tensor | dict, backend: str = "local", encoder_tp: int | None = None
+) -> torch.Tensor | None:
     """Build the model for this rank (megatron groups must exist) with the ``backend`` layer spec on
-    ``tokens``' device, load ``source``, run ``tokens``. Returns the logits on TP rank 0 of the last
-    stage, None elsewhere."""
+    ``tokens``' device, load ``source``, run ``tokens`` (token ids, or a VLM's input dict;
+    ``encoder_tp``: the VLM image encoder's own TP size). Returns the logits on TP rank 0 of the
+    last stage, None elsewhere."""
+    import dataclasses
+
     from megatron.core import parallel_state as mpu
 
-    from loong_ckpt.hf_config import foundation_from_dict
+    from loong_ckpt.components import config_from_meta, foundation_of, is_composed
     from loong_ckpt.hf_io import is_hf_dir
-    from loong_ckpt.online import load_hf_weights, read_hf_foundation
+    from loong_ckpt.online import load_hf_weights, read_hf_model
     from loong_ckpt.training import load_checkpoint, read_checkpoint_info
-    from loong_models import build_foundation, build_transformer_config, fusion_fields
+    from loong_models import build_foundation, build_model, build_transformer_config, fusion_fields
 
     tp, pp = mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()
     ep = mpu.get_expert_model_parallel_world_size()
     online = is_hf_dir(source)
-    if online:
-        cfg = read_hf_foundation(source)
-    else:
-        cfg = foundation_from_dict(read_checkpoint_info(source).meta["foundation"])
+    model_cfg = read_hf_model(source) if online else config_from_meta(read_checkpoint_info(source).meta)
+    cfg = foundation_of(model_cfg)
+    media = {}
+    if isinstance(tokens, dict):  # a VLM's inputs
+        media = {k: v for k, v in tokens.items() if k != "input_ids"}
+        tokens = tokens["input_ids"]
     tconfig = build_transformer_config(
         cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         **({"expert_model_parallel_size": ep} if cfg.moe is not None else {}),
@@ -48,10 +57,22 @@ def loong_logits(source: str | Path, tokens: torch.Tensor, backend: str = "local
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
     )  # fmt: skip
     first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
-    model = build_foundation(cfg, tconfig, layer_backend=backend, pre_process=first, post_process=last)
+    if is_composed(model_cfg):
+        model_cfg = dataclasses.replace(model_cfg, layer_backend=backend)
+        groups = None
+        if encoder_tp is not None and encoder_tp != tp:
+            from loong_parallel.component_groups import component_process_groups
+
+            enc = dataclasses.replace(model_cfg.image_encoder, tensor_model_parallel_size=encoder_tp)
+            model_cfg = dataclasses.replace(model_cfg, image_encoder=enc)
+            groups = component_process_groups(encoder_tp)
+        model = build_model(model_cfg, tconfig, device_type=tokens.device.type, pre_process=first,
+                            post_process=last, encoder_pg_collection=groups)  # fmt: skip
+    else:
+        model = build_foundation(cfg, tconfig, layer_backend=backend, pre_process=first, post_process=last)
     model.to(tokens.device)
     if online:
-        load_hf_weights(source, [model], cfg)
+        load_hf_weights(source, [model], model_cfg)
     else:
         load_checkpoint(source, [model])
     model.eval()
@@ -62,7 +83,8 @@ def loong_logits(source: str | Path, tokens: torch.Tensor, backend: str = "local
             hidden = torch.empty(s, b, cfg.hidden_size)
             dist.recv(hidden, src=mpu.get_pipeline_model_parallel_prev_rank())
             model.set_input_tensor(hidden)
-        out = model(tokens, pos, None)
+        # a VLM computes its multimodal positions itself
+        out = model(tokens, None, None, **media) if media else model(tokens, pos, None)
         if not last:
             dist.send(out.contiguous(), dst=mpu.get_pipeline_model_parallel_next_rank())
             return None
@@ -78,6 +100,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--encoder-tp", type=int, default=None, help="a VLM image encoder's own TP size")
     ap.add_argument("--read-log", help="write the HF tensor names each rank reads to <dir>/rank<r>.txt")
     ap.add_argument("jobs", nargs="+", help="source tokens.pt out.pt, repeated")
     args = ap.parse_args()
@@ -106,7 +129,7 @@ def main() -> None:
         model_parallel_cuda_manual_seed(0)
         for i in range(0, len(args.jobs), 3):
             source, tokens, out = args.jobs[i : i + 3]
-            logits = loong_logits(source, torch.load(tokens))
+            logits = loong_logits(source, torch.load(tokens), encoder_tp=args.encoder_tp)
             if logits is not None and mpu.get_data_parallel_rank() == 0:
                 torch.save(logits, out)
         if args.read_log:

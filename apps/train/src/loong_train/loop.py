@@ -13,6 +13,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from loong_ckpt.components import checkpoint_meta
 from loong_ckpt.online import export_hf, is_hf_dir, load_hf_weights
 from loong_ckpt.training import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
 from loong_models import build_model, build_transformer_config, fusion_fields, resolve_backend
@@ -151,7 +152,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         _check_lora_base(resumed, t.init_from)
     if t.init_from and (resumed is None or lora is not None):
         # With LoRA the checkpoints hold the adapters only: the frozen base always comes from init_from.
-        _load_weights(t.init_from, chunks, f, part="frozen" if lora is not None else "all", is_main=is_main)
+        _load_weights(t.init_from, chunks, cfg.model, part="frozen" if lora is not None else "all", is_main=is_main)
     if resumed is not None:
         info, rng = load_checkpoint(
             resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel)
@@ -219,7 +220,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         return loss
 
     # The model config goes with the weights: loong-convert mcore-to-hf needs nothing else.
-    ckpt_extra = {"tokens_per_step": tokens_per_step, "foundation": asdict(f)}
+    ckpt_extra = {"tokens_per_step": tokens_per_step, **checkpoint_meta(cfg.model)}
     if t.init_from and is_hf_dir(t.init_from):
         ckpt_extra["hf_config"] = json.loads((Path(t.init_from) / "config.json").read_text())
     if lora is not None:  # adapters only; loong-convert merges them into `base` on export
@@ -301,10 +302,10 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     return summary
 
 
-def _load_weights(init_from: str, chunks: list, f, *, part: str, is_main: bool) -> None:
+def _load_weights(init_from: str, chunks: list, model_cfg, *, part: str, is_main: bool) -> None:
     """Model weights (not optimizer state) from an HF directory or a Loong checkpoint."""
     if is_hf_dir(init_from):
-        load_hf_weights(init_from, chunks, f)  # HF weights never include LoRA adapters
+        load_hf_weights(init_from, chunks, model_cfg)  # every component of a VLM; never LoRA adapters
         return
     info, _ = load_checkpoint(read_checkpoint_info(init_from).path, chunks, part=part)
     if is_main:

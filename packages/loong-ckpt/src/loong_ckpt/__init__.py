@@ -22,6 +22,9 @@ _EXPORTS = {
     "GATE_UP": "mapping", "IDENTITY": "mapping", "QKV": "mapping", "FamilyMapping": "mapping", "Rule": "mapping",
     "Split": "mapping", "Transform": "mapping",
     "export_hf": "online", "load_hf_weights": "online", "read_hf_foundation": "online",
+    # composed models (VLMs): component mappings
+    "ComponentMapping": "components", "ModelMapping": "components", "MODEL_MAPPINGS": "components",
+    "checkpoint_meta": "components", "model_from_hf": "components", "read_hf_model": "online",
 }  # fmt: skip
 __all__ = sorted(_EXPORTS)
 

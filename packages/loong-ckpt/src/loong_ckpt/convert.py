@@ -20,17 +20,20 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from loong_ckpt.families import get_mapping
-from loong_ckpt.hf_config import (
-    ConversionError,
-    foundation_from_dict,
-    foundation_to_dict,
-    from_hf_config,
-    model_name,
-    same_architecture,
-    to_hf_config,
-    write_model_yaml,
+from loong_ckpt.components import (
+    bind_components,
+    checkpoint_meta,
+    config_from_meta,
+    foundation_of,
+    is_composed,
+    mapping_of,
+    model_from_hf,
+    model_to_hf,
+    naming_of,
+    same_model,
+    write_any_model_yaml,
 )
+from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
 from loong_ckpt.log import logger
 from loong_ckpt.mapping import Rule, Unit, layer_key, locate, units
@@ -91,8 +94,17 @@ def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
         partial.rename(out)
 
 
-def check_layout(cfg: FoundationConfig, tp: int, pp: int, ep: int = 1) -> None:
-    """The TP / PP / EP layout must be able to hold the model."""
+def check_layout(cfg: Any, tp: int, pp: int, ep: int = 1) -> None:
+    """The TP / PP / EP layout must be able to hold the model (a FoundationConfig, or a composed
+    ModelConfig: its foundation, and its image encoder's heads)."""
+    if is_composed(cfg):
+        enc = cfg.image_encoder
+        enc_tp = enc.tensor_model_parallel_size or tp
+        if enc.num_attention_heads % enc_tp:
+            raise ConversionError(
+                f"--tp={enc_tp} must divide the image encoder's attention heads ({enc.num_attention_heads})"
+            )
+        cfg = foundation_of(cfg)
     if tp < 1 or pp < 1 or ep < 1:
         raise ConversionError(f"--tp={tp} --pp={pp} --ep={ep}: all must be >= 1")
     if cfg.mla is None and (cfg.num_attention_heads % tp or cfg.query_groups % tp):
@@ -168,16 +180,18 @@ def hf_to_mcore(
     src, out = Path(src), Path(out).absolute()
     check_output_dir(out, force)
     reader = HFReader(src)
-    cfg = from_hf_config(reader.config, str(src / CONFIG_FILE))
-    check_layout(cfg, tp, pp, ep)
+    model_cfg = model_from_hf(reader.config, str(src / CONFIG_FILE))  # a ModelConfig for a VLM
+    cfg = foundation_of(model_cfg)
+    check_layout(model_cfg, tp, pp, ep)
     check_hf_extras(reader, cfg)
-    mapping = get_mapping(cfg.family)
-    rules = [r for r in mapping.rules if r.applies(cfg)]
-    template = model_template(cfg)
-    plan = plan_units(
-        rules, cfg, template.tensors, f"family {cfg.family}: a rule names a key the built model lacks;"
-    )
-    _check_rules_cover(template.tensors, plan, cfg.family)
+    naming = naming_of(model_cfg, set(reader.tensors), str(src))
+    what = mapping_of(model_cfg).name if is_composed(model_cfg) else cfg.family
+    template = model_template(model_cfg)
+    where = f"family {what}: a rule names a key the built model lacks;"
+    plan = [u for rules, counts in bind_components(model_cfg, naming)  # per component: its own layers
+            for u in plan_units(rules, counts, template.tensors, where)]  # fmt: skip
+    rules = [u.rule for u in plan if u.layer is None]
+    _check_rules_cover(template.tensors, plan, what)
     padded = cfg.padded_vocab_size(tp)
 
     # Validate every HF tensor's presence and shape before writing anything.
@@ -221,18 +235,20 @@ def hf_to_mcore(
         write_checkpoint(tmp, chunks, template.objects, compute)
         bar.close()
         copied = copy_tokenizer_files(src, tmp)
-        write_model_yaml(cfg, tmp / "configs", name)
+        write_any_model_yaml(model_cfg, tmp / "configs", name)
         meta: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "step": 0,
             "layout": None,  # layout-free: global tensors, loadable with any TP / PP / EP
             "target_layout": {"tp": tp, "pp": pp, **({"ep": ep} if cfg.moe is not None else {})},
             "time": time.time(),
-            "foundation": foundation_to_dict(cfg),
+            **checkpoint_meta(model_cfg),  # foundation (+ the other components of a composed model)
             "hf_config": reader.config,
             "source": {"hf_dir": str(src.absolute()), "converter": "loong-convert hf-to-mcore"},
             "model_name": name,
         }
+        if naming is not None:
+            meta["hf_naming"] = naming  # exported back with the same tensor names
         _write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
     command = f"uv run train 'hydra.searchpath=[file://{out}/configs]' model={name} train.init_from={out}"
     if any(f.startswith("tokenizer") for f in copied):
@@ -267,7 +283,9 @@ def _check_rules_cover(tensors: dict[str, tuple[int, ...]], plan: list[Unit], fa
             )
 
 
-def _checkpoint_foundation(src: Path, foundation: FoundationConfig | None) -> tuple[FoundationConfig, dict]:
+def _checkpoint_model(src: Path, foundation: Any | None) -> tuple[Any, dict]:
+    """The model config of a checkpoint (a FoundationConfig, or a composed ModelConfig): the one
+    given, else what loong.json records."""
     meta_path = src / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if foundation is not None:
@@ -279,7 +297,7 @@ def _checkpoint_foundation(src: Path, foundation: FoundationConfig | None) -> tu
             f"{meta_path if meta else src} does not record the model config ('foundation'); "
             "pass it with --model-yaml <foundation yaml>"
         )
-    return foundation_from_dict(meta["foundation"]), meta
+    return config_from_meta(meta), meta
 
 
 def mcore_to_hf(
@@ -301,15 +319,16 @@ def mcore_to_hf(
     check_output_dir(out, force)
     if src.name.endswith(PARTIAL_SUFFIX):
         raise ConversionError(f"{src} is an incomplete checkpoint (interrupted save); it cannot be converted")
-    cfg, meta = _checkpoint_foundation(src, foundation)
+    model_cfg, meta = _checkpoint_model(src, foundation)
+    cfg = foundation_of(model_cfg)
     lora = meta.get("lora")
     base = _lora_base(src, lora) if lora else src
-    rules = [r for r in get_mapping(cfg.family).rules if r.applies(cfg)]
     out_dtype = parse_dtype(dtype)
     if is_hf_dir(base):  # a LoRA run that started from HF weights
-        plan_u, plan, final_dtype, read_group = _hf_base(base, cfg, rules, out_dtype)
+        plan_u, plan, final_dtype, read_group = _hf_base(base, model_cfg, out_dtype)
     else:
-        plan_u, plan, final_dtype, read_group = _mcore_base(base, cfg, rules, out_dtype)
+        bound = bind_components(model_cfg, meta.get("hf_naming"))
+        plan_u, plan, final_dtype, read_group = _mcore_base(base, cfg, bound, out_dtype)
     merge = _LoraMerge(src, lora) if lora else None
     tok_src = tokenizer or base
     with atomic_output_dir(out, force) as tmp:
@@ -332,7 +351,7 @@ def mcore_to_hf(
             bar.close()
         if merge:
             merge.check_all_merged()
-        hf_cfg = to_hf_config(cfg, final_dtype, meta.get("hf_config"))
+        hf_cfg = model_to_hf(model_cfg, final_dtype, meta.get("hf_config"))
         copy_tokenizer_files(tok_src, tmp)
         _write_atomic(tmp / CONFIG_FILE, json.dumps(hf_cfg, indent=2) + "\n")
     res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(plan))
@@ -342,10 +361,12 @@ def mcore_to_hf(
     return res
 
 
-def _mcore_base(src: Path, cfg: FoundationConfig, rules: list[Rule], out_dtype):
-    """(units, HF write plan, output dtype, group -> {key: tensor}) for a megatron checkpoint."""
+def _mcore_base(src: Path, cfg: FoundationConfig, bound: list, out_dtype):
+    """(units, HF write plan, output dtype, group -> {key: tensor}) for a megatron checkpoint;
+    ``bound``: per component, its rules and the config counting its layers / experts."""
     stored = read_metadata(src)
-    plan_u = plan_units(rules, cfg, stored, f"{src} does not match its model config;")
+    where = f"{src} does not match its model config;"
+    plan_u = [u for rules, counts in bound for u in plan_units(rules, counts, stored, where)]
     unit_shapes: dict[str, tuple[int, ...]] = {}
     for u in plan_u:
         shape = tuple(stored[u.key].size)
@@ -366,14 +387,16 @@ def _mcore_base(src: Path, cfg: FoundationConfig, rules: list[Rule], out_dtype):
     return plan_u, plan, final_dtype, (lambda group: _read_units(src, group, unit_shapes, stored))
 
 
-def _hf_base(src: Path, cfg: FoundationConfig, rules: list[Rule], out_dtype):
+def _hf_base(src: Path, model_cfg: Any, out_dtype):
     """The same for an HF directory (LoRA base weights), read and mapped to megatron's layout.
     Units are keyed as a uniform decoder stores them (stacked layers)."""
     reader = HFReader(src)
-    if not same_architecture(from_hf_config(reader.config, str(src / CONFIG_FILE)), cfg):
+    cfg = foundation_of(model_cfg)
+    if not same_model(model_from_hf(reader.config, str(src / CONFIG_FILE)), model_cfg):
         raise ConversionError(f"{src / CONFIG_FILE} (the LoRA base) describes a different model than the checkpoint")
+    bound = bind_components(model_cfg, naming_of(model_cfg, set(reader.tensors), str(src)))
     plan_u = [Unit(r, layer, expert, r.mcore, tuple(i for i in (layer, expert) if i is not None))
-              for r, layer, expert in units(rules, cfg)]  # fmt: skip
+              for rules, counts in bound for r, layer, expert in units(rules, counts)]  # fmt: skip
     plan = []
     for u in plan_u:
         for n in u.rule.hf_names(u.layer, u.expert):

@@ -35,7 +35,7 @@ from loong_models import FoundationConfig
 LAYER = "{i}"
 EXPERT = "{e}"
 _LAYERS = "decoder.layers."
-_INDEXED = re.compile(r"^(decoder\.layers\.)(\d+)\.(.+)$")
+_INDEXED = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.+)$")  # a component prefix may precede
 
 
 class Split(enum.Enum):
@@ -222,9 +222,11 @@ class Unit:
 
 
 def layer_key(mcore: str, layer: int) -> str:
-    """The key megatron gives a per-layer tensor of a decoder with differing layers."""
-    assert mcore.startswith(_LAYERS), mcore
-    return f"{_LAYERS}{layer}.{mcore[len(_LAYERS) :]}"
+    """The key megatron gives a per-layer tensor of a decoder with differing layers (after a
+    composed model's component prefix, if any: ``image_encoder.decoder.layers.<i>.x``)."""
+    head, sep, rest = mcore.partition(_LAYERS)
+    assert sep, mcore
+    return f"{head}{_LAYERS}{layer}.{rest}"
 
 
 def rule_key(key: str) -> tuple[str, int | None]:

@@ -14,6 +14,7 @@ key, whatever layout (TP / PP) the checkpoint was written with.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -21,6 +22,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,19 +91,26 @@ def _single_process_megatron() -> Iterator[None]:
                 dist.destroy_process_group()
 
 
-def model_template(cfg: FoundationConfig) -> Template:
+def model_template(cfg: FoundationConfig | Any) -> Template:
     """The checkpoint entries of the model loong_models builds for ``cfg`` (built on the meta
-    device: no memory, no initialisation), as the unwrapped GPTModel's sharded_state_dict names them."""
+    device: no memory, no initialisation), as the unwrapped model's sharded_state_dict names them:
+    a GPTModel for a FoundationConfig, the composed model for a ModelConfig with an image encoder."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-    from loong_models import build_foundation, build_transformer_config
+    from loong_ckpt.components import foundation_of, is_composed
+    from loong_models import build_foundation, build_model, build_transformer_config
 
     with _single_process_megatron():
         tconfig = build_transformer_config(
-            cfg, use_cpu_initialization=True, perform_initialization=False, params_dtype=torch.float32
-        )
+            foundation_of(cfg), use_cpu_initialization=True, perform_initialization=False,
+            params_dtype=torch.float32,
+        )  # fmt: skip
         with torch.device("meta"):
-            model = build_foundation(cfg, tconfig, layer_backend="local")
+            if is_composed(cfg):
+                local = dataclasses.replace(cfg, layer_backend="local")
+                model = build_model(local, tconfig, device_type="cpu")
+            else:
+                model = build_foundation(cfg, tconfig, layer_backend="local")
         sharded = model.sharded_state_dict()
     out = Template()
     items = []

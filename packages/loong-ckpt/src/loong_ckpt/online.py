@@ -14,12 +14,22 @@ gathered through the process group.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from loong_ckpt.families import get_mapping
-from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture
+from loong_ckpt.components import (
+    bind,
+    component_diff,
+    foundation_of,
+    is_composed,
+    mapping_of,
+    model_from_hf,
+    naming_of,
+    same_model,
+)
+from loong_ckpt.hf_config import ConversionError
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, is_hf_dir
 from loong_ckpt.log import logger
 from loong_ckpt.mapping import rule_key
@@ -27,17 +37,23 @@ from loong_ckpt.training import _unwrap
 from loong_models import FoundationConfig
 from loong_models.lora import is_adapter_key
 
-__all__ = ["export_hf", "is_hf_dir", "load_hf_weights", "read_hf_foundation"]
+__all__ = ["export_hf", "is_hf_dir", "load_hf_weights", "read_hf_foundation", "read_hf_model"]
+
+
+def read_hf_model(path: str | Path) -> Any:
+    """The Loong config of an HF directory (from its config.json): a FoundationConfig for a text
+    family, a ModelConfig (image encoder, projector, foundation) for a composed architecture."""
+    return model_from_hf(HFReader.read_config(Path(path)), str(Path(path) / CONFIG_FILE))
 
 
 def read_hf_foundation(path: str | Path) -> FoundationConfig:
     """The foundation config of an HF directory (from its config.json)."""
-    reader_cfg = HFReader.read_config(Path(path))
-    return from_hf_config(reader_cfg, str(Path(path) / CONFIG_FILE))
+    return foundation_of(read_hf_model(path))
 
 
-def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: FoundationConfig) -> int:
-    """Load an HF directory's weights into this rank's model ``chunks`` (built for ``cfg``).
+def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Any) -> int:
+    """Load an HF directory's weights into this rank's model ``chunks`` (built for ``cfg``: a
+    FoundationConfig or a ModelConfig; a composed model needs its ModelConfig).
     Returns the number of parameters tensors loaded. LoRA adapters are not HF weights: they keep
     their initialisation."""
     from megatron.core import parallel_state as mpu
@@ -46,14 +62,18 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
     from loong_ckpt.convert import check_hf_extras
 
     reader = HFReader(path)
-    hf_cfg = from_hf_config(reader.config, str(Path(path) / CONFIG_FILE))
-    if not same_architecture(hf_cfg, cfg):
+    hf_cfg = model_from_hf(reader.config, str(Path(path) / CONFIG_FILE))
+    model_cfg = cfg if is_composed(cfg) else foundation_of(cfg)  # a text-only ModelConfig works too
+    cfg = foundation_of(model_cfg)
+    if not same_model(hf_cfg, model_cfg):
         raise ConversionError(
             f"{Path(path) / CONFIG_FILE} describes a different model than model.foundation: "
-            f"{_diff(hf_cfg, cfg)}"
+            f"{_diff(hf_cfg, model_cfg)}"
         )
     check_hf_extras(reader, cfg)
-    rules = get_mapping(cfg.family).by_mcore_key()
+    what = mapping_of(model_cfg).name if is_composed(model_cfg) else cfg.family
+    naming = naming_of(model_cfg, set(reader.tensors), str(path))
+    rules = {k: r for r in bind(model_cfg, naming) for k in (r.mcore, *r.aliases)}
     tp = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
     etp = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
     padded = cfg.padded_vocab_size(tp[1])
@@ -68,7 +88,7 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
             rule = rules.get(key)
             if rule is None:
                 raise ConversionError(
-                    f"family {cfg.family}: no mapping rule for megatron key {sh.key} ({name})"
+                    f"family {what}: no mapping rule for megatron key {sh.key} ({name})"
                 )
             axis = 0  # the prepended axes: the stacked layer (unless the key is indexed), then the expert
             if rule.layered and layer is None:
@@ -81,6 +101,8 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
                     0,
                     1,
                 )  # a linear this layer spec keeps whole on every rank (TE's MLA down projections)
+            if tuple(data.shape) == tuple(sh.global_shape[sh.prepend_axis_num :]):
+                rank, size = 0, 1  # the whole tensor on every rank (an image encoder at TP=1 in TP=2)
             local = rule.tp_shard(reader, layer, cfg, rank, size, padded, expert)
             if local.shape != data.shape:
                 raise ConversionError(
@@ -94,7 +116,14 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
     return loaded
 
 
-def _diff(a: FoundationConfig, b: FoundationConfig) -> str:
+def _diff(a: Any, b: Any) -> str:
+    if is_composed(a) or is_composed(b):
+        return component_diff(a, b)
+    a, b = foundation_of(a), foundation_of(b)
+    return _foundation_diff(a, b)
+
+
+def _foundation_diff(a: FoundationConfig, b: FoundationConfig) -> str:
     from loong_ckpt.hf_config import arch_diff
 
     return (
