@@ -31,6 +31,7 @@ from loong_parallel import (
 from loong_train.data import load_text_data, step_batches
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, progress_bar
+from loong_train.multimodal import MEDIA_KEYS
 from loong_train.schema import Config, ConfigError, validate
 from loong_train.thd import build_balancer, schedule_shape
 from loong_xpu import Accelerator, get_accelerator, redirect_cuda
@@ -52,18 +53,21 @@ class RunSummary:
 
 def lm_forward_step(device: torch.device, data_iterator, model):
     """megatron forward_step: per-token LM loss on the last stage, hidden states elsewhere.
-    Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document."""
+    Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document. Multimodal
+    batches also carry images / videos (``MEDIA_KEYS``), which go to the model as keywords."""
     batch = next(data_iterator)
     tokens = batch["tokens"].to(device, non_blocking=True)
     packed = None
     if "cu_seqlens" in batch:
         packed = packed_seq_params(batch["cu_seqlens"].to(device, non_blocking=True), batch["max_seqlen"])
+    media = {key: batch[key].to(device, non_blocking=True) for key in MEDIA_KEYS if key in batch}
     output = model(
         tokens,
         batch["position_ids"].to(device, non_blocking=True),
         None,  # causal mask is implied by the layer spec
         labels=batch["labels"].to(device, non_blocking=True),
         packed_seq_params=packed,
+        **media,
     )
     return output, partial(_lm_loss, batch["loss_mask"].to(device, non_blocking=True))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
+from loong_train.multimodal_config import MultimodalDataConfig, validate_multimodal
 from loong_train.packing_config import BalanceConfig, ThdConfig, validate_packing
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -14,6 +15,7 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 @dataclass
 class DataConfig:
+    kind: str = "text"  # text | multimodal (images + conversations: data.multimodal.*)
     # .txt files / folders of .txt / .jsonl ({"text": ...}); empty = the bundled Shakespeare corpus
     sources: list[str] = field(default_factory=list)
     tokenizer: str | None = None  # tokenizer.json or an HF folder; None = the bundled BPE
@@ -25,6 +27,7 @@ class DataConfig:
     packing: str = "fixed"
     thd: ThdConfig = field(default_factory=ThdConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    multimodal: MultimodalDataConfig = field(default_factory=MultimodalDataConfig)
 
 
 @dataclass
@@ -96,6 +99,8 @@ def validate(cfg: Config, world_size: int) -> int:
     d = cfg.data
     for error in validate_packing(d.packing, d.thd, d.balance, seq_length=d.seq_length, tp=cfg.parallel.tp,
                                   sequence_parallel=cfg.parallel.sequence_parallel):
+        raise ConfigError(error)
+    for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing):
         raise ConfigError(error)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
