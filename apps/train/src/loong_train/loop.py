@@ -31,7 +31,7 @@ from loong_parallel import (
 from loong_train.data import load_text_data, step_batches
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, progress_bar
-from loong_train.multimodal import MEDIA_KEYS
+from loong_train.multimodal import MEDIA_KEYS, load_multimodal_data, step_counts, vision_flops_per_patch
 from loong_train.schema import Config, ConfigError, validate
 from loong_train.thd import build_balancer, schedule_shape
 from loong_xpu import Accelerator, get_accelerator, redirect_cuda
@@ -110,7 +110,11 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     model_parallel_cuda_manual_seed(t.seed)
     torch.manual_seed(t.seed)  # identical host RNG on every rank: CPU init is layout independent
 
-    data = load_text_data(cfg.data, is_main=is_main, seed=t.seed)
+    multimodal = cfg.data.kind == "multimodal"
+    if multimodal:  # images + conversations (multimodal.py); it checks model and tokenizer agree
+        data = load_multimodal_data(cfg.data, cfg.model, is_main=is_main, seed=t.seed)
+    else:
+        data = load_text_data(cfg.data, is_main=is_main, seed=t.seed)
     if data.tokenizer.vocab_size > f.vocab_size:
         raise ConfigError(
             f"model.foundation.vocab_size={f.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -175,20 +179,28 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         max_tokens=b.max_tokens_per_rank, refit=b.refit, warmup_steps=b.refit_warmup_steps,
         interval=b.refit_interval, window=b.refit_window,
     ) if b.enabled else None  # fmt: skip
-    batches = step_batches(
-        data.train, micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
-        dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, start_step=start_step, balancer=balancer,
-    )  # fmt: skip
+    if multimodal:
+        batches = data.train_steps(global_batch_size=t.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                   start_step=start_step)  # fmt: skip
+        patch_flops = vision_flops_per_patch(cfg.model)
+    else:
+        batches = step_batches(
+            data.train, micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
+            dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, start_step=start_step, balancer=balancer,
+        )  # fmt: skip
     forward_step = partial(lm_forward_step, device)
     metrics = MetricsWriter(out_dir, enabled=is_main, tensorboard=t.tensorboard, resume_step=start_step)
     summary = RunSummary(metrics_file=metrics.path, tensorboard_dir=metrics.tb_dir if t.tensorboard else None)
 
     def evaluate(step: int) -> float:
-        eval_batches = step_batches(
-            data.val, micro_batch_size=t.micro_batch_size, num_microbatches=t.eval_iters,
-            dp_rank=dp_rank, dp_size=dp_size, seed=t.seed,
-        )  # fmt: skip
-        mbs = next(eval_batches)
+        if multimodal:  # the same held-out samples every time
+            mbs = data.eval_microbatches(num_samples=t.eval_iters * t.micro_batch_size * dp_size,
+                                         dp_rank=dp_rank, dp_size=dp_size)  # fmt: skip
+        else:
+            mbs = next(step_batches(
+                data.val, micro_batch_size=t.micro_batch_size, num_microbatches=t.eval_iters,
+                dp_rank=dp_rank, dp_size=dp_size, seed=t.seed,
+            ))  # fmt: skip
         loss, _ = eval_step(forward_step, _iterators(mbs, len(chunks)), chunks, device=device,
                             **schedule_shape(mbs, {**sched, "num_microbatches": len(mbs)}))  # fmt: skip
         metrics.write({"step": step, "split": "val", "loss": loss})
@@ -210,7 +222,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         return export_hf(checkpoint, out_dir / "hf" / f"step_{step:08d}", tokenizer=tok if tok.is_dir() else tok.parent)
 
     bar = progress_bar(t.steps, start_step, enabled=is_main and t.progress)
-    window_t0, window_tokens = time.perf_counter(), 0
+    window_t0, window_tokens, window_images, window_flops = time.perf_counter(), 0, 0, 0.0
     for step in range(start_step + 1, t.steps + 1):
         step_t0 = time.perf_counter()
         mbs = next(batches)
@@ -220,7 +232,14 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             balancer.observe(mbs, result.compute_s)
         accel.synchronize()
         step_time = time.perf_counter() - step_t0
-        window_tokens += result.num_tokens  # loss tokens: every token in fixed packing, real ones in THD
+        if multimodal:  # every real token (loss only on assistant tokens), and the images
+            counts = step_counts(mbs, data.tokenizer.pad_id, mpu.get_data_parallel_group(), device)
+            window_tokens += counts["tokens"]
+            window_images += counts["images"]
+            window_flops += flops_per_token * counts["tokens"] + patch_flops * counts["patches"]
+        else:
+            window_tokens += result.num_tokens  # loss tokens: every token in fixed packing, real ones in THD
+            window_flops += flops_per_token * result.num_tokens
         if summary.first_loss is None:
             summary.first_loss = result.loss
         summary.last_loss = result.loss
@@ -235,13 +254,15 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             }  # fmt: skip
             if balancer:
                 record.update(balancer.metrics())
+            if multimodal:
+                record["images_per_s"] = window_images / elapsed
             if peak:
-                record["mfu"] = flops_per_token * tps / world_size / peak
+                record["mfu"] = window_flops / elapsed / world_size / peak
             mem = accel.memory_stats()
             record["peak_mem_gib"] = round(mem.peak_allocated / 2**30, 3)
             metrics.write(record)
             bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-            window_t0, window_tokens = time.perf_counter(), 0
+            window_t0, window_tokens, window_images, window_flops = time.perf_counter(), 0, 0, 0.0
         bar.update(1)
         if t.eval_interval and t.eval_iters and step % t.eval_interval == 0 and step != t.steps:
             evaluate(step)

@@ -26,7 +26,7 @@ class MultimodalDataConfig:
     shuffle_buffer: int = 64  # samples shuffled together while streaming (0: stream order)
 
 
-def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str) -> list[str]:
+def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str, balance: bool) -> list[str]:
     """Problems with the multimodal data keys, each naming the key (empty when fine)."""
     errors = []
     if kind not in KINDS:
@@ -34,16 +34,26 @@ def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str) ->
     if kind != "multimodal":
         return errors
     if mm.shards and mm.jsonl:
-        errors.append("data.multimodal.shards and data.multimodal.jsonl are exclusive: give shards or JSONL files")
+        errors.append(
+            "data.multimodal.shards and data.multimodal.jsonl are exclusive: give shards or JSONL files"
+        )
     if packing != "thd":
-        errors.append(f"data.packing={packing!r}: multimodal data is packed with cu_seqlens; set data.packing=thd")
+        errors.append(
+            f"data.packing={packing!r}: multimodal data is packed with cu_seqlens; set data.packing=thd"
+        )
+    if balance:
+        errors.append("data.balance.enabled=true is not supported with data.kind=multimodal yet")
     if mm.samples_per_shard < 1:
         errors.append(f"data.multimodal.samples_per_shard={mm.samples_per_shard} must be >= 1")
     if mm.val_shards < 1:
-        errors.append(f"data.multimodal.val_shards={mm.val_shards} must be >= 1 (evaluation needs a held-out shard)")
+        errors.append(
+            f"data.multimodal.val_shards={mm.val_shards} must be >= 1 (evaluation needs a held-out shard)"
+        )
     if not 0 < mm.min_pixels <= mm.max_pixels:
-        errors.append(f"data.multimodal.min_pixels={mm.min_pixels} and max_pixels={mm.max_pixels} need "
-                      "0 < min_pixels <= max_pixels")
+        errors.append(
+            f"data.multimodal.min_pixels={mm.min_pixels} and max_pixels={mm.max_pixels} need "
+            "0 < min_pixels <= max_pixels"
+        )
     if mm.shuffle_buffer < 0:
         errors.append(f"data.multimodal.shuffle_buffer={mm.shuffle_buffer} must be >= 0")
     return errors

@@ -100,7 +100,7 @@ def validate(cfg: Config, world_size: int) -> int:
     for error in validate_packing(d.packing, d.thd, d.balance, seq_length=d.seq_length, tp=cfg.parallel.tp,
                                   sequence_parallel=cfg.parallel.sequence_parallel):
         raise ConfigError(error)
-    for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing):
+    for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing, balance=d.balance.enabled):
         raise ConfigError(error)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
