@@ -6,6 +6,8 @@ _ROOT = Path(__file__).resolve().parent
 
 SHAKESPEARE_DIR = _ROOT / "corpus" / "shakespeare"
 SHAKESPEARE_TOKENIZER = _ROOT / "tokenizers" / "shakespeare-bpe-8k" / "tokenizer.json"
+CHAT_TOKENIZER_DIR = _ROOT / "tokenizers" / "shakespeare-bpe-8k-chat"
+VLM_SAMPLE_DIR = _ROOT / "corpus" / "vlm_sample"
 
 
 def default_corpus() -> Path:
@@ -16,3 +18,14 @@ def default_corpus() -> Path:
 def default_tokenizer() -> Path:
     """The bundled byte-level BPE ``tokenizer.json`` (8192 tokens) trained on :func:`default_corpus`."""
     return SHAKESPEARE_TOKENIZER
+
+
+def default_chat_tokenizer() -> Path:
+    """HF tokenizer folder: the bundled BPE + ChatML and vision special tokens + a chat template."""
+    return CHAT_TOKENIZER_DIR
+
+
+def default_multimodal_dataset() -> Path:
+    """Folder of the bundled multimodal sample: ``conversations.jsonl`` + the images / video frames it
+    references (scikit-image, scikit-learn digits, Shakespeare; see ATTRIBUTION.md)."""
+    return VLM_SAMPLE_DIR
