@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -159,7 +160,8 @@ def processor_config(cfg: DataConfig, model: ModelConfig) -> VisionProcessorConf
     e, mm = model.image_encoder, cfg.multimodal
     return VisionProcessorConfig(patch_size=e.patch_size, temporal_patch_size=e.temporal_patch_size,
                                  merge_size=e.spatial_merge_size, min_pixels=mm.min_pixels,
-                                 max_pixels=mm.max_pixels)  # fmt: skip
+                                 max_pixels=mm.max_pixels, video_min_pixels=mm.video_min_pixels,
+                                 video_max_pixels=mm.video_max_pixels)  # fmt: skip
 
 
 def _sha256(path: Path) -> str:
@@ -215,15 +217,14 @@ def convert_sources(cfg: DataConfig, seed: int) -> Path:
                             f"data.multimodal.jsonl: {src}:{n} is not valid JSON ({e.msg})"
                         ) from None
     random.Random(seed).shuffle(records)
-    merged = out.parent / f".{out.name}.jsonl.partial"
-    merged.parent.mkdir(parents=True, exist_ok=True)
-    merged.write_text("\n".join(records) + "\n", encoding="utf-8")
-    try:
-        report = convert_to_webdataset([merged], out, maxcount=mm.samples_per_shard, overwrite=True)
-    except ConvertError as e:
-        raise ConfigError(f"data.multimodal.jsonl: {e}") from None
-    finally:
-        merged.unlink(missing_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        merged = Path(tmp) / "records.jsonl"  # the seeded order; convert_to_webdataset writes out atomically
+        merged.write_text("\n".join(records) + "\n", encoding="utf-8")
+        try:
+            report = convert_to_webdataset([merged], out, maxcount=mm.samples_per_shard, overwrite=True)
+        except ConvertError as e:
+            raise ConfigError(f"data.multimodal.jsonl: {e}") from None
     if report.num_skipped:
         logger.warning(
             "skipped %d bad records while converting, e.g. %s", report.num_skipped, report.errors[0]

@@ -23,6 +23,8 @@ class MultimodalDataConfig:
     # max_pixels] with sides divisible by patch_size * merge_size (those two come from the model).
     min_pixels: int = 56 * 56
     max_pixels: int = 448 * 448
+    video_min_pixels: int = 56 * 56  # the same bounds for each video frame
+    video_max_pixels: int = 448 * 448
     shuffle_buffer: int = 64  # samples shuffled together while streaming (0: stream order)
 
 
@@ -54,6 +56,9 @@ def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str, ba
             f"data.multimodal.min_pixels={mm.min_pixels} and max_pixels={mm.max_pixels} need "
             "0 < min_pixels <= max_pixels"
         )
+    if not 0 < mm.video_min_pixels <= mm.video_max_pixels:
+        errors.append(f"data.multimodal.video_min_pixels={mm.video_min_pixels} and video_max_pixels="
+                      f"{mm.video_max_pixels} need 0 < video_min_pixels <= video_max_pixels")
     if mm.shuffle_buffer < 0:
         errors.append(f"data.multimodal.shuffle_buffer={mm.shuffle_buffer} must be >= 0")
     return errors
