@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from loong_data import packing_strategy
 from loong_data.multimodal import (
     ChatTokenizer,
     ConvertError,
@@ -39,8 +41,6 @@ from loong_data.multimodal import (
     list_shards,
     load_chat_tokenizer,
 )
-
-from loong_data import packing_strategy
 from loong_models import ModelConfig
 from loong_train.log import logger
 from loong_train.schema import ConfigError, DataConfig
