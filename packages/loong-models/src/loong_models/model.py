@@ -1,15 +1,24 @@
-"""A model is a composition of components; today a foundation LLM, later encoders and projectors
-next to it (``image_encoder``, ``image_projector``) under the same ``model`` config node."""
+"""A model is a composition of components under the ``model`` config node: a ``foundation`` LLM,
+and for VLMs an ``image_encoder`` and an ``image_projector`` (OmniCombinationModel)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from omegaconf import OmegaConf
 
 from loong_models.foundation import FoundationConfig, build_foundation
+from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
+from loong_models.image_projector import (
+    ImageProjector,
+    ImageProjectorConfig,
+    build_projector_transformer_config,
+)
+from loong_models.omni import OmniCombinationModel, VisionTokenIds
 from loong_models.specs import resolve_backend
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -18,8 +27,58 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 @dataclass
 class ModelConfig:
     foundation: FoundationConfig = field(default_factory=FoundationConfig)
+    # VLM components (both set, or both null for a text-only model).
+    image_encoder: ImageEncoderConfig | None = None
+    image_projector: ImageProjectorConfig | None = None
+    # Vision token ids of the tokenizer (Qwen2.5-VL layout: <|vision_start|> <|image_pad|>...
+    # <|vision_end|>); the pad tokens are replaced by the projected image / video features.
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    # Multimodal RoPE: temporal position step per second of video (Qwen2.5-VL: 2).
+    tokens_per_second: float = 2.0
     # Which layer implementations to use: auto (TE on CUDA when installed, else local), te, local.
     layer_backend: str = "auto"
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.image_encoder is not None
+
+    def validate(self, prefix: str = "model") -> None:
+        self.foundation.validate(f"{prefix}.foundation")
+        if (self.image_encoder is None) != (self.image_projector is None):
+            raise ValueError(f"{prefix}.image_encoder and {prefix}.image_projector must both be set (a VLM) "
+                             "or both be null (a text-only model)")  # fmt: skip
+        if self.image_encoder is None:
+            return
+        self.image_encoder.validate(f"{prefix}.image_encoder")
+        self.image_projector.validate(f"{prefix}.image_projector")
+        if self.image_token_id is None:
+            raise ValueError(f"{prefix}.image_token_id is required for a VLM (the id of <|image_pad|>)")
+        for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            v = getattr(self, key)
+            if v is not None and not 0 <= v < self.foundation.vocab_size:
+                raise ValueError(f"{prefix}.{key}={v} is outside the vocabulary (foundation.vocab_size="
+                                 f"{self.foundation.vocab_size})")  # fmt: skip
+        etp, ptp = (
+            self.image_encoder.tensor_model_parallel_size,
+            self.image_projector.tensor_model_parallel_size,
+        )
+        if ptp is not None and ptp != etp:
+            raise ValueError(f"{prefix}.image_projector.tensor_model_parallel_size={ptp}: the projector runs on "
+                             f"the encoder's group; use null or the encoder's size ({etp})")  # fmt: skip
+
+    def num_parameters(self) -> int:
+        """Exact parameter count of what gets built (unpadded vocab), all components."""
+        n = self.foundation.num_parameters()
+        if self.image_encoder is not None:
+            e = self.image_encoder
+            n += e.num_parameters()
+            n += self.image_projector.num_parameters(
+                e.hidden_size, e.spatial_merge_size, self.foundation.hidden_size
+            )
+        return n
 
 
 def zoo_names() -> list[str]:
@@ -28,13 +87,24 @@ def zoo_names() -> list[str]:
 
 def load_model_config(name: str, overrides: list[str] | None = None) -> ModelConfig:
     """Compose ``model=<name>`` from the zoo without the train app, e.g.
-    ``load_model_config("qwen3-0.6b", ["foundation.num_layers=2"])``."""
+    ``load_model_config("qwen3-0.6b", ["foundation.num_layers=2"])``; ``+key=value`` adds a key."""
     from hydra import compose, initialize_config_dir
 
     if name not in zoo_names():
         raise ValueError(f"model={name!r} is not in the zoo; available: {', '.join(zoo_names())}")
+
+    def scoped(o: str) -> str:
+        # component swaps (model/foundation=llama3-8b) and +additions keep their prefix outside
+        if o.startswith(("model/", "+model", "~model")):
+            return o
+        if o.startswith(("+", "~")):
+            return f"{o[0]}model.{o[1:]}"
+        if "/" in o.split("=", 1)[0]:
+            return f"model/{o}"
+        return f"model.{o}"
+
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        raw = compose(config_name=f"model/{name}", overrides=[f"model.{o}" for o in overrides or []])
+        raw = compose(config_name=f"model/{name}", overrides=[scoped(o) for o in overrides or []])
     return to_model_config(raw.model)
 
 
@@ -43,8 +113,22 @@ def to_model_config(raw) -> ModelConfig:
     naming the key) and return the typed config."""
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw)
     cfg: ModelConfig = OmegaConf.to_object(merged)
-    cfg.foundation.validate()
+    cfg.validate()
     return cfg
+
+
+def encoder_tensor_parallel_size(cfg: ModelConfig, foundation_tp: int) -> int:
+    """The image encoder's TP size: its own key, else the foundation's; it must divide the
+    foundation's (each encoder group lies inside one foundation TP group)."""
+    assert cfg.image_encoder is not None
+    etp = cfg.image_encoder.tensor_model_parallel_size or foundation_tp
+    if foundation_tp % etp:
+        raise ValueError(f"model.image_encoder.tensor_model_parallel_size={etp} must divide the foundation's "
+                         f"tensor-parallel size {foundation_tp}")  # fmt: skip
+    if 1 < etp < foundation_tp:
+        raise ValueError(f"model.image_encoder.tensor_model_parallel_size={etp}: supported are 1 (replicated "
+                         f"encoder) or the foundation's size {foundation_tp}")  # fmt: skip
+    return etp
 
 
 def build_model(
@@ -55,13 +139,68 @@ def build_model(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
+    encoder_pg_collection: ProcessGroupCollection | None = None,
 ):
-    """Build this rank's pipeline stage of the model described by ``cfg``."""
-    return build_foundation(
+    """Build this rank's pipeline stage of the model described by ``cfg``: a megatron GPTModel for a
+    text-only model, an :class:`OmniCombinationModel` for a VLM.
+
+    ``config`` is the foundation's TransformerConfig. The encoder and projector get their own,
+    with the foundation's precision and their own TP size; ``encoder_pg_collection`` holds their
+    process groups when that size differs from the foundation's (see
+    ``loong_parallel.component_process_groups``); otherwise megatron's global groups are used.
+    """
+    backend = resolve_backend(cfg.layer_backend, device_type)
+    foundation = build_foundation(
         cfg.foundation,
         config,
-        layer_backend=resolve_backend(cfg.layer_backend, device_type),
+        layer_backend=backend,
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,
+        scatter_embedding_sequence_parallel=not cfg.is_multimodal,
     )
+    if not cfg.is_multimodal:
+        return foundation
+    enc_cfg, proj_cfg = cfg.image_encoder, cfg.image_projector
+    assert enc_cfg is not None and proj_cfg is not None
+    ftp = config.tensor_model_parallel_size
+    etp = encoder_tensor_parallel_size(cfg, ftp)
+    if etp != ftp and encoder_pg_collection is None:
+        raise ValueError(f"model.image_encoder.tensor_model_parallel_size={etp} differs from the foundation's "
+                         f"{ftp}: pass encoder_pg_collection (loong_parallel.component_process_groups)")  # fmt: skip
+    encoder = projector = None
+    if pre_process:  # the encoder and projector live on the first pipeline stage
+        econfig = build_encoder_transformer_config(
+            enc_cfg, config, tensor_model_parallel_size=etp, backend=backend
+        )
+        encoder = ImageEncoder(enc_cfg, econfig, layer_backend=backend, pg_collection=encoder_pg_collection)
+        pconfig = build_projector_transformer_config(
+            proj_cfg, config, encoder_hidden=enc_cfg.hidden_size, merge=enc_cfg.spatial_merge_size,
+            out_size=cfg.foundation.hidden_size, tensor_model_parallel_size=etp, backend=backend,
+        )  # fmt: skip
+        projector = ImageProjector(
+            proj_cfg, pconfig, encoder_hidden=enc_cfg.hidden_size, merge=enc_cfg.spatial_merge_size,
+            layer_backend=backend, tp_group=encoder_pg_collection.tp if encoder_pg_collection is not None else None,
+        )  # fmt: skip
+        for module, component in ((encoder, enc_cfg), (projector, proj_cfg)):
+            _apply_component_settings(module, component.freeze, replicated=etp < ftp)
+    return OmniCombinationModel(
+        config, foundation, encoder, projector,
+        token_ids=VisionTokenIds(cfg.image_token_id, cfg.video_token_id),
+        spatial_merge_size=enc_cfg.spatial_merge_size,
+        mrope=cfg.foundation.mrope_section is not None,
+        tokens_per_second=cfg.tokens_per_second,
+    )  # fmt: skip
+
+
+def _apply_component_settings(module: torch.nn.Module, freeze: bool, *, replicated: bool) -> None:
+    for p in module.parameters():
+        if freeze:
+            p.requires_grad_(False)
+        if replicated:
+            # Encoder TP smaller than the foundation's: every rank of a foundation TP group holds the
+            # whole encoder and computes it on the same inputs. megatron's finalize_model_grads
+            # averages gradients tagged like this over the TP group (bitwise-identical replicas
+            # even with non-deterministic kernels), and the grad norm counts them once (TP rank 0).
+            p.average_gradients_across_tp_domain = True
+            p.tensor_model_parallel = False

@@ -43,8 +43,10 @@ def resolve_backend(backend: str, device_type: str) -> str:
     if backend == "auto":
         return "te" if device_type == "cuda" and te_installed() else "local"
     if backend == "te" and not te_installed():
-        raise ValueError("model.layer_backend='te' but transformer-engine is not importable "
-                         "(install loong-models[te] on a CUDA machine)")
+        raise ValueError(
+            "model.layer_backend='te' but transformer-engine is not importable "
+            "(install loong-models[te] on a CUDA machine)"
+        )
     return backend
 
 
@@ -60,30 +62,36 @@ def decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: int
         config, use_transformer_engine=backend == "te", normalization="RMSNorm", vp_stage=vp_stage
     )
     if uses_sparse_attention(config):
-        logger.debug("layer spec: absorbed MLA + DeepSeek sparse attention (loong-kernels), %s linears", backend)
+        logger.debug(
+            "layer spec: absorbed MLA + DeepSeek sparse attention (loong-kernels), %s linears", backend
+        )
         layers = [_dsa_layer(s, backend) for s in block.layer_specs]
-        return dataclasses.replace(block, layer_specs=layers, layer_norm=RMSNorm if backend == "local" else block.layer_norm)
+        return dataclasses.replace(
+            block, layer_specs=layers, layer_norm=RMSNorm if backend == "local" else block.layer_norm
+        )
     if backend == "te":
         logger.debug("layer spec: transformer-engine")
         return block
     logger.debug("layer spec: local megatron modules + SDPA + loong-kernels RMSNorm")
-    return dataclasses.replace(block, layer_specs=[_local_layer(s) for s in block.layer_specs], layer_norm=RMSNorm)
+    return dataclasses.replace(
+        block, layer_specs=[_local_layer(s) for s in block.layer_specs], layer_norm=RMSNorm
+    )
 
 
-def _local_layer(spec: ModuleSpec) -> ModuleSpec:
+def _local_layer(spec: ModuleSpec, norm: type = RMSNorm) -> ModuleSpec:
     sub = spec.submodules
     attn = sub.self_attention
     attn_sub = attn.submodules
     attn_sub = dataclasses.replace(
         attn_sub,
         core_attention=SDPAttention,
-        **{k: RMSNorm for k in ("q_layernorm", "k_layernorm") if getattr(attn_sub, k) is not IdentityOp},
+        **{k: norm for k in ("q_layernorm", "k_layernorm") if getattr(attn_sub, k) is not IdentityOp},
     )
     sub = dataclasses.replace(
         sub,
         self_attention=dataclasses.replace(attn, submodules=attn_sub),
-        input_layernorm=RMSNorm,
-        pre_mlp_layernorm=RMSNorm,
+        input_layernorm=norm,
+        pre_mlp_layernorm=norm,
     )
     return dataclasses.replace(spec, submodules=sub)
 
@@ -117,7 +125,9 @@ def _dsa_attention(backend: str) -> ModuleSpec:
             linear_q_up_proj=column,
             linear_kv_down_proj=down,
             linear_kv_up_proj=column,
-            core_attention=ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=LightningIndexer)),
+            core_attention=ModuleSpec(
+                module=DSAttention, submodules=DSAttentionSubmodules(indexer=LightningIndexer)
+            ),
             linear_proj=row,
             # standalone (not fused into the up projections): the indexer reads the normed q latent
             q_layernorm=RMSNorm,
@@ -149,3 +159,59 @@ def fusion_fields(backend: str) -> dict[str, bool]:
         cross_entropy_loss_fusion=on,
         **({"cross_entropy_fusion_impl": "te"} if on else {}),
     )
+
+
+def vision_block_spec(
+    config: TransformerConfig, *, backend: str, window_layers: frozenset[int] = frozenset()
+):
+    """Layer specs of an image encoder (ViT): bidirectional attention over packed (THD) images.
+
+    ``te``: megatron's TE layer (fused norm + linears, TE attention). ``local``: megatron's local
+    modules with :class:`SDPAttention` (one SDPA per image / window segment) and Loong's RMSNorm,
+    or megatron's torch LayerNorm for LayerNorm encoders. Layers in ``window_layers`` (0-based) are
+    :class:`WindowAttentionLayer`: the same modules, attending within the windows of the packed
+    parameters instead of whole images (Qwen2.5-VL).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from loong_models.image_encoder.layers import WindowAttentionLayer
+
+    rms = config.normalization == "RMSNorm"
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        base, final_norm = (
+            get_gpt_layer_with_transformer_engine_spec(normalization=config.normalization),
+            TENorm,
+        )
+    else:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        base = get_gpt_layer_local_spec(normalization=config.normalization)
+        norm = RMSNorm if rms else WrappedTorchNorm
+        final_norm = norm
+        base = _local_layer(base, norm=norm)
+    attn = base.submodules.self_attention
+    attn = dataclasses.replace(attn, params={**attn.params, "attn_mask_type": AttnMaskType.no_mask})
+    base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=attn))
+    windowed = dataclasses.replace(base, module=WindowAttentionLayer)
+    layers = [windowed if i in window_layers else base for i in range(config.num_layers)]
+    logger.debug("vision layer spec: %s, %d window-attention layers", backend, len(window_layers))
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
+
+
+def projector_mlp_spec(backend: str):
+    """The image projector's two linears: column- then row-parallel (TE's on the TE backend)."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+        return MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear)
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)

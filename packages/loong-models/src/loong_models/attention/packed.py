@@ -28,13 +28,17 @@ def packed_causal_attention(
     *,
     scale: float,
     dropout_p: float = 0.0,
+    causal: bool = True,
 ) -> torch.Tensor:
     """``query`` [t, heads, d], ``key``/``value`` [t, groups, d] (GQA when groups < heads) ->
-    [t, heads * d]; token ``i`` of segment ``s`` attends to tokens ``<= i`` of segment ``s`` only."""
+    [t, heads * d]; token ``i`` of segment ``s`` attends to tokens ``<= i`` of segment ``s`` only
+    (``causal``), or to all tokens of segment ``s`` (``causal=False``: images, windows of a ViT)."""
     t, heads, d = query.shape
     bounds = segment_bounds(cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != t:
-        raise ValueError(f"cu_seqlens must run from 0 to the packed length {t}, got {bounds[0]}..{bounds[-1]}")
+        raise ValueError(
+            f"cu_seqlens must run from 0 to the packed length {t}, got {bounds[0]}..{bounds[-1]}"
+        )
     gqa = key.shape[1] != heads
     out = query.new_empty(t, heads, d)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -42,7 +46,8 @@ def packed_causal_attention(
             continue
         # [L, h, d] -> [1, h, L, d]
         q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
-                                           enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
         out[lo:hi] = o.squeeze(0).transpose(0, 1)
     return out.reshape(t, heads * d)

@@ -5,8 +5,8 @@ This module has the same constructor and forward signature, so it drops into a m
 spec, but lets torch pick a fused kernel (flash / memory-efficient on GPU, a blocked kernel on
 CPU), which never materialises the full matrix for causal attention.
 
-Packed (THD) micro-batches (``packed_seq_params.qkv_format == "thd"``) run one causal SDPA per
-document segment (see :mod:`loong_models.attention.packed`), so no token attends across a
+Packed (THD) micro-batches (``packed_seq_params.qkv_format == "thd"``) run one SDPA per
+segment (causal for LLM documents, bidirectional for ViT images / windows) (see :mod:`loong_models.attention.packed`), so no token attends across a
 document boundary and no [t, t] mask exists.
 """
 
@@ -47,7 +47,9 @@ class SDPAttention(MegatronModule):
     ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise ValueError("context parallelism needs Transformer Engine attention (install loong-models[te])")
+            raise ValueError(
+                "context parallelism needs Transformer Engine attention (install loong-models[te])"
+            )
         if config.window_size is not None:
             raise ValueError("sliding-window attention needs Transformer Engine attention")
         if pg_collection is None:
@@ -94,20 +96,45 @@ class SDPAttention(MegatronModule):
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
-    def _forward_packed(self, query, key, value, attention_mask, mask_type, packed_seq_params) -> torch.Tensor:
+    def _forward_packed(
+        self, query, key, value, attention_mask, mask_type, packed_seq_params
+    ) -> torch.Tensor:
         """THD: megatron hands [t, heads, d] (batch dimension squeezed) and reshapes [t, h*d] back."""
         if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"SDPAttention supports packed qkv_format 'thd' only, got {packed_seq_params.qkv_format!r}")
-        if mask_type != AttnMaskType.causal or attention_mask is not None:
-            raise ValueError("packed (THD) sequences are supported with causal attention and no explicit mask")
+            raise ValueError(
+                f"SDPAttention supports packed qkv_format 'thd' only, got {packed_seq_params.qkv_format!r}"
+            )
+        # causal: LLM documents; no_mask / padding without a mask: bidirectional per segment (ViT
+        # images and windows; megatron's TE path maps no_mask to padding for THD the same way)
+        bidirectional = (AttnMaskType.no_mask, AttnMaskType.padding)
+        if attention_mask is not None or (
+            mask_type != AttnMaskType.causal and mask_type not in bidirectional
+        ):
+            raise ValueError(
+                "packed (THD) sequences are supported with causal or bidirectional (no_mask) "
+                "attention and no explicit mask"
+            )
         cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        if packed_seq_params.cu_seqlens_q_padded is not None and not torch.equal(packed_seq_params.cu_seqlens_q_padded, cu_q):
-            raise ValueError("cu_seqlens_q_padded != cu_seqlens_q: pad packs with a padding segment instead "
-                             "(loong_data.collate_packed does)")
+        if packed_seq_params.cu_seqlens_q_padded is not None and not torch.equal(
+            packed_seq_params.cu_seqlens_q_padded, cu_q
+        ):
+            raise ValueError(
+                "cu_seqlens_q_padded != cu_seqlens_q: pad packs with a padding segment instead "
+                "(loong_data.collate_packed does)"
+            )
         dropout_p = self.dropout_p if self.training else 0.0
-        run = partial(packed_causal_attention, query, key, value, cu_q, scale=self.softmax_scale, dropout_p=dropout_p)
+        run = partial(
+            packed_causal_attention,
+            query,
+            key,
+            value,
+            cu_q,
+            scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            causal=mask_type == AttnMaskType.causal,
+        )
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return run()

@@ -48,7 +48,11 @@ def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> Transform
         if cfg.recompute == "full":
             arch.update(recompute_method="uniform", recompute_num_layers=1)
     if cfg.mla is None:
-        return TransformerConfig(**{**arch, **cfg.extra, **runtime})
+        fields = {**arch, **cfg.extra, **runtime}
+        if cfg.mrope_section is not None:
+            # TE's fused THD RoPE restarts positions per segment; multimodal positions are per token
+            fields.update(mrope_section=list(cfg.mrope_section), apply_rope_fusion=False)
+        return TransformerConfig(**fields)
     return _mla_transformer_config(cfg, {**arch, **cfg.extra, **runtime})
 
 
@@ -97,8 +101,11 @@ def build_foundation(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
+    scatter_embedding_sequence_parallel: bool = True,
 ) -> GPTModel:
-    """One pipeline stage (``pre_process``: has the embedding; ``post_process``: has the head)."""
+    """One pipeline stage (``pre_process``: has the embedding; ``post_process``: has the head).
+    ``scatter_embedding_sequence_parallel=False``: the embedding leaves the sequence whole under
+    sequence parallelism (a VLM writes image features into it first, then scatters)."""
     rs = cfg.rope_scaling
     model = GPTModel(
         config=config,
@@ -109,7 +116,8 @@ def build_foundation(
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if cfg.mrope_section is None else "mrope",
+        scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
         rotary_base=int(cfg.rotary_base),
         rope_scaling=rs is not None,
         rope_scaling_factor=rs.factor if rs is not None else 8.0,

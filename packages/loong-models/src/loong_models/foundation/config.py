@@ -10,7 +10,11 @@ from loong_models.foundation.mla import MLAConfig, SparseAttentionConfig
 
 # megatron-core implements exactly the Llama-3 RoPE scaling of HF's "llama3" rope_type with these
 # constants (RotaryEmbedding._apply_scaling); other values would silently be ignored.
-_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclass
@@ -37,6 +41,9 @@ class FoundationConfig:
     max_position_embeddings: int = 2048
     rotary_base: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Multimodal RoPE (Qwen2-VL / 2.5-VL): rotary frequency pairs given to the temporal, height
+    # and width positions, e.g. [16, 24, 24] for head dim 128; null = plain 1-D RoPE.
+    mrope_section: list[int] | None = None
     # Multi-latent attention sizes (families with attention="mla"); replaces the GQA head sizes.
     mla: MLAConfig | None = None
     # DeepSeek sparse attention (families with sparse_attention=True); needs `mla`.
@@ -80,6 +87,14 @@ class FoundationConfig:
             )
         if self.recompute not in (None, "selective", "full"):
             raise ValueError(f"{prefix}.recompute={self.recompute!r}; allowed: null, selective, full")
+        if self.mrope_section is not None:
+            if self.mla is not None or self.rope_scaling is not None:
+                raise ValueError(f"{prefix}.mrope_section cannot be combined with MLA or rope_scaling")
+            if len(self.mrope_section) != 3 or 2 * sum(self.mrope_section) != self.head_dim:
+                raise ValueError(
+                    f"{prefix}.mrope_section={list(self.mrope_section)} must be 3 numbers summing to "
+                    f"head_dim / 2 = {self.head_dim // 2}"
+                )
         if self.rope_scaling is not None:
             rs = self.rope_scaling
             if rs.type != "llama3":
@@ -110,7 +125,9 @@ class FoundationConfig:
         # MLA fixes its own head sizes; GQA keys would be silently ignored, so reject them.
         for key in ("num_query_groups", "kv_channels", "rope_scaling"):
             if getattr(self, key) is not None:
-                raise ValueError(f"{prefix}.{key} does not apply to family {fam.name!r} (MLA); set it to null")
+                raise ValueError(
+                    f"{prefix}.{key} does not apply to family {fam.name!r} (MLA); set it to null"
+                )
         if self.sparse_attention is not None:
             self.sparse_attention.validate(f"{prefix}.sparse_attention", self.mla)
             if self.mla.q_lora_rank is None:

@@ -1,0 +1,213 @@
+"""The image encoder: a ViT on megatron-core's TransformerBlock over packed (THD) patches.
+
+One forward takes every image and video clip of a micro-batch at once, as the image processor
+lays them out (``pixel_values [N, C*T*P*P]`` + ``grid_thw [n, 3]``). Attention runs per image
+frame (and per window in Qwen2.5-VL's window layers) as segments of one packed sequence, so no
+padding and no [N, N] mask exist; the layer implementations come from specs.py.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loong_models.image_encoder.config import EncoderType, ImageEncoderConfig, get_encoder_type
+from loong_models.image_encoder.grid import frame_cu_seqlens, num_patches, patch_coordinates, window_partition
+from loong_models.image_encoder.layers import VisionPackedSeqParams
+from loong_models.specs import fusion_fields, vision_block_spec
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
+# TransformerConfig fields a component takes over from the foundation's (what the runtime decided:
+# precision, initialisation); layout fields (TP size, sequence parallel, PP) are the component's own.
+RUNTIME_FIELDS = ("params_dtype", "pipeline_dtype", "bf16", "fp16", "use_cpu_initialization",
+                  "perform_initialization", "deterministic_mode", "calculate_per_token_loss")  # fmt: skip
+
+
+def runtime_fields(
+    base: TransformerConfig, *, tensor_model_parallel_size: int, backend: str
+) -> dict[str, Any]:
+    """The component's share of the runtime settings: the foundation's precision and init, its own
+    TP size, no sequence or pipeline parallelism (the encoder lives on the first stage), and the
+    backend's fusions without RoPE fusion (TE's THD RoPE kernel restarts positions per segment,
+    while 2-D / multimodal positions are given per token)."""
+    fields = {k: getattr(base, k) for k in RUNTIME_FIELDS}
+    fields.update(fusion_fields(backend), apply_rope_fusion=False)
+    fields.update(tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=1,
+                  sequence_parallel=False)  # fmt: skip
+    return fields
+
+
+def recompute_fields(recompute: str | None) -> dict[str, Any]:
+    if recompute is None:
+        return {}
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return dict(recompute_granularity=recompute)
+
+
+def build_encoder_transformer_config(
+    cfg: ImageEncoderConfig, base: TransformerConfig, *, tensor_model_parallel_size: int, backend: str
+) -> TransformerConfig:
+    """The encoder's own TransformerConfig: its architecture + the foundation's runtime fields."""
+    cfg.validate()
+    t = get_encoder_type(cfg.type)
+    fields = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        normalization=t.normalization,
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=t.gated_mlp,
+        activation_func=ACTIVATIONS[t.activation],
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        init_method_std=cfg.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **recompute_fields(cfg.recompute),
+    )
+    fields.update(
+        runtime_fields(base, tensor_model_parallel_size=tensor_model_parallel_size, backend=backend)
+    )
+    # megatron's fused bias-GELU is the tanh approximation: fuse SwiGLU only.
+    fields["bias_activation_fusion"] = (
+        fields["bias_activation_fusion"] and t.gated_mlp and t.activation == "silu"
+    )
+    return TransformerConfig(**{**fields, **cfg.extra})
+
+
+class PatchEmbed(torch.nn.Module):
+    """Linear embedding of flattened patches, stored as the convolution it equals (kernel = stride
+    = patch): ``proj`` is a Conv3d ``[D, C, T, P, P]`` (Qwen2.5-VL, temporal patches for video) or
+    a Conv2d ``[D, C, P, P]`` (SigLIP), so HF weights map by name. Computed as one matmul."""
+
+    def __init__(self, cfg: ImageEncoderConfig, t: EncoderType, config: TransformerConfig) -> None:
+        super().__init__()
+        c, p, d = cfg.in_channels, cfg.patch_size, cfg.hidden_size
+        kw = dict(bias=t.patch_bias, dtype=config.params_dtype)
+        if t.rope_2d:
+            k = (cfg.temporal_patch_size, p, p)
+            self.proj = torch.nn.Conv3d(c, d, kernel_size=k, stride=k, **kw)
+        else:
+            if cfg.temporal_patch_size != 1:
+                raise ValueError(f"model.image_encoder.temporal_patch_size={cfg.temporal_patch_size}: "
+                                 f"type {t.name!r} embeds single frames; set it to 1")  # fmt: skip
+            self.proj = torch.nn.Conv2d(c, d, kernel_size=p, stride=p, **kw)
+        if config.perform_initialization:
+            config.init_method(self.proj.weight)
+            if self.proj.bias is not None:
+                torch.nn.init.zeros_(self.proj.bias)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return F.linear(pixel_values.to(w.dtype), w.flatten(1), self.proj.bias)
+
+
+class ImageEncoder(MegatronModule):
+    """``forward(pixel_values, grid_thw) -> [N, hidden]`` patch features in input order.
+
+    Modules: ``patch_embed.proj``, ``position_embedding`` (learned-position types only),
+    ``decoder`` (megatron TransformerBlock; ``decoder.final_layernorm`` for post-norm types).
+    """
+
+    def __init__(
+        self,
+        cfg: ImageEncoderConfig,
+        config: TransformerConfig,
+        *,
+        layer_backend: str,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        cfg.validate()
+        self.cfg = cfg
+        self.encoder_type = t = get_encoder_type(cfg.type)
+        self.patch_embed = PatchEmbed(cfg, t, config)
+        if t.learned_positions:
+            side = cfg.image_size // cfg.patch_size
+            self.position_embedding = torch.nn.Embedding(
+                side * side, cfg.hidden_size, dtype=config.params_dtype
+            )
+            if config.perform_initialization:
+                config.init_method(self.position_embedding.weight)
+        window_layers = (
+            frozenset(range(cfg.num_layers)) - set(cfg.fullatt_block_indexes) if t.windows else frozenset()
+        )
+        self.window_layers = window_layers
+        spec = vision_block_spec(config, backend=layer_backend, window_layers=window_layers)
+        self.decoder = TransformerBlock(
+            config=config, spec=spec, post_layer_norm=t.post_norm, pre_process=True, post_process=True,
+            pg_collection=pg_collection,
+        )  # fmt: skip
+        if t.rope_2d:
+            # half the head dim rotates with the row, half with the column (HF's axial 2-D RoPE)
+            quarter = cfg.head_dim // 2
+            inv = 1.0 / (cfg.rotary_base ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
+            self.register_buffer("inv_freq", inv, persistent=False)
+
+    def set_input_tensor(self, input_tensor) -> None:  # the encoder never sits on a later PP stage
+        pass
+
+    def _learned_positions(
+        self, grid_thw: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
+    ) -> torch.Tensor:
+        side = self.cfg.image_size // self.cfg.patch_size
+        table = self.position_embedding.weight.view(side, side, -1)
+        out, start, resized = [], 0, {}
+        for t, h, w in grid_thw.tolist():
+            n = t * h * w
+            if (h, w) not in resized:
+                if (h, w) == (side, side):
+                    resized[h, w] = table
+                else:  # as HF SiglipVisionEmbeddings.interpolate_pos_encoding
+                    grid = F.interpolate(
+                        table.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False
+                    )
+                    resized[h, w] = grid[0].permute(1, 2, 0)
+            out.append(resized[h, w][rows[start : start + n], cols[start : start + n]])
+            start += n
+        return torch.cat(out)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        cfg, t = self.cfg, self.encoder_type
+        n = num_patches(grid_thw)
+        if pixel_values.dim() != 2 or pixel_values.shape != (n, cfg.patch_dim):
+            raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; grid_thw {grid_thw.tolist()} "
+                             f"needs [{n}, {cfg.patch_dim}] (patches x in_channels*temporal_patch*patch^2)")  # fmt: skip
+        dev, m = pixel_values.device, cfg.spatial_merge_size
+        x = self.patch_embed(pixel_values)
+        rows, cols = patch_coordinates(grid_thw, m, dev)
+        if t.learned_positions:
+            x = x + self._learned_positions(grid_thw, rows, cols).to(x.dtype)
+        cu, longest = frame_cu_seqlens(grid_thw, dev)
+        params = VisionPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                       max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+        rope = None
+        if t.rope_2d:
+            freqs = torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1)
+            rope = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [N, 1, 1, head_dim]
+        order = None
+        if self.window_layers:
+            blocks, cu_w, longest_w = window_partition(
+                grid_thw, m, cfg.window_size // (m * cfg.patch_size), dev
+            )
+            unit = m * m
+            order = (blocks[:, None] * unit + torch.arange(unit, device=dev)).reshape(-1)
+            x = x[order]
+            rope = rope[order] if rope is not None else None
+            params.window = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_w, cu_seqlens_kv=cu_w,
+                                            max_seqlen_q=longest_w, max_seqlen_kv=longest_w)  # fmt: skip
+        h = self.decoder(x[:, None], attention_mask=None, rotary_pos_emb=rope, packed_seq_params=params)[:, 0]
+        if order is not None:  # back to input order: the projector merges consecutive patches
+            h = torch.empty_like(h).index_copy_(0, order, h)
+        return h

@@ -1,0 +1,53 @@
+"""The image projector component's config: an MLP from the encoder's patch features to the
+foundation's hidden size, merging ``spatial_merge_size**2`` neighbouring patches into one token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NORMS = (None, "RMSNorm", "LayerNorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+
+
+@dataclass
+class ImageProjectorConfig:
+    """``norm`` (per patch, before merging) -> concat ``merge**2`` patches -> ``linear_fc1`` ->
+    activation -> ``linear_fc2`` (to the foundation's hidden size).
+
+    Qwen2.5-VL's patch merger is this projector (RMSNorm, GELU, ffn = encoder hidden * 4), so the
+    encoder stays a plain ViT and the HF ``visual.merger.*`` weights map here. The merge size is
+    the encoder's ``spatial_merge_size`` (one source of truth for the token count per image).
+    """
+
+    type: str = "mlp"
+    norm: str | None = "RMSNorm"
+    norm_epsilon: float = 1e-6
+    ffn_hidden_size: int | None = None  # null = encoder hidden * merge**2 (Qwen2.5-VL)
+    activation: str = "gelu"
+    bias: bool = True
+    init_method_std: float = 0.02
+    # Runs on the encoder's tensor-parallel group: null or the encoder's size.
+    tensor_model_parallel_size: int | None = None
+    freeze: bool = False
+    recompute: str | None = None  # accepted for symmetry; the projector is two linears, nothing to recompute
+
+    def validate(self, prefix: str = "model.image_projector") -> None:
+        if self.type != "mlp":
+            raise ValueError(f"{prefix}.type={self.type!r}; allowed: mlp")
+        if self.norm not in NORMS:
+            raise ValueError(f"{prefix}.norm={self.norm!r}; allowed: null, RMSNorm, LayerNorm")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"{prefix}.activation={self.activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+        if self.recompute not in (None, "selective", "full"):
+            raise ValueError(f"{prefix}.recompute={self.recompute!r}; allowed: null, selective, full")
+
+    def input_size(self, encoder_hidden: int, merge: int) -> int:
+        return encoder_hidden * merge * merge
+
+    def ffn_size(self, encoder_hidden: int, merge: int) -> int:
+        return self.ffn_hidden_size or self.input_size(encoder_hidden, merge)
+
+    def num_parameters(self, encoder_hidden: int, merge: int, out_size: int) -> int:
+        i, f = self.input_size(encoder_hidden, merge), self.ffn_size(encoder_hidden, merge)
+        norm = {None: 0, "RMSNorm": encoder_hidden, "LayerNorm": 2 * encoder_hidden}[self.norm]
+        return norm + i * f + f * out_size + ((f + out_size) if self.bias else 0)

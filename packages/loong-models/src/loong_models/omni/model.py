@@ -1,0 +1,148 @@
+"""OmniCombinationModel: image encoder + image projector + foundation LLM.
+
+The first pipeline stage (``pre_process``) holds the encoder and projector: it embeds the text,
+encodes all images and video clips of the micro-batch in one packed ViT pass, projects them and
+writes them over the placeholder tokens' embeddings, then runs its share of the foundation.
+Every stage computes the multimodal RoPE positions from ``input_ids`` + grids (cheap host work),
+so later stages need the token ids and grids, never the pixels.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loong_models.image_encoder import ImageEncoder
+from loong_models.image_projector import ImageProjector
+from loong_models.omni.mrope import VisionTokenIds, mrope_positions
+
+
+class OmniCombinationModel(MegatronModule):
+    """Modules: ``foundation`` (megatron GPTModel), ``image_encoder`` and ``image_projector``
+    (first pipeline stage only, else None).
+
+    ``forward(input_ids, position_ids, attention_mask, labels=None, packed_seq_params=None,
+    pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
+    second_per_grid_ts=None)`` -> per-token loss ``[1, S]`` with labels, logits without (hidden
+    states on non-last pipeline stages), like GPTModel.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        foundation: MegatronModule,
+        image_encoder: ImageEncoder | None,
+        image_projector: ImageProjector | None,
+        *,
+        token_ids: VisionTokenIds,
+        spatial_merge_size: int,
+        mrope: bool,
+        tokens_per_second: float = 2.0,
+    ) -> None:
+        super().__init__(config=config)
+        self.foundation = foundation
+        self.image_encoder = image_encoder
+        self.image_projector = image_projector
+        self.token_ids = token_ids
+        self.spatial_merge_size = spatial_merge_size
+        self.mrope = mrope
+        self.tokens_per_second = tokens_per_second
+        self.pre_process = foundation.pre_process
+        self.post_process = foundation.post_process
+
+    # --- what megatron's schedules and finalize_model_grads call on a model chunk ---
+    def set_input_tensor(self, input_tensor) -> None:
+        self.foundation.set_input_tensor(input_tensor)
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.foundation.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        return self.foundation.shared_embedding_or_output_weight()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        out = self.foundation.sharded_state_dict(f"{prefix}foundation.", sharded_offsets, metadata)
+        for name in ("image_encoder", "image_projector"):
+            module = getattr(self, name)
+            if module is not None:
+                out.update(module.sharded_state_dict(f"{prefix}{name}.", (), metadata))
+        return out
+
+    # --- forward ---
+    def positions(
+        self,
+        input_ids: torch.Tensor,
+        packed_seq_params=None,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts=None,
+    ) -> torch.Tensor:
+        """``[3, 1, S]`` multimodal RoPE positions of a packed micro-batch."""
+        cu = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
+        return mrope_positions(
+            input_ids, self.token_ids, spatial_merge_size=self.spatial_merge_size, image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
+            tokens_per_second=self.tokens_per_second, cu_seqlens=cu,
+        )  # fmt: skip
+
+    def vision_embeddings(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Encode and project: ``[N_patches, C*T*P*P]`` -> ``[N_patches / merge**2, hidden]``."""
+        assert self.image_encoder is not None and self.image_projector is not None
+        return self.image_projector(self.image_encoder(pixel_values, grid_thw))
+
+    def _merge(self, input_ids, embeddings, media) -> torch.Tensor:
+        """Write each kind's vision embeddings over its placeholder tokens (in order)."""
+        for token_id, pixels, grid, kind in media:
+            mask = input_ids[0] == token_id if token_id is not None else None
+            count = int(mask.sum()) if mask is not None else 0
+            if pixels is None:
+                if count:
+                    raise ValueError(f"{count} {kind} placeholder tokens but no pixel values for them")
+                continue
+            if grid is None:
+                raise ValueError(f"pixel values for {kind}s given without their grid_thw")
+            vision = self.vision_embeddings(pixels, grid)
+            if vision.shape[0] != count:
+                raise ValueError(f"{kind}s give {vision.shape[0]} tokens (grid_thw {grid.tolist()}, merge "
+                                 f"{self.spatial_merge_size}) but the text has {count} placeholder tokens")  # fmt: skip
+            index = mask.nonzero()[:, 0]
+            embeddings = embeddings.index_copy(0, index, vision.to(embeddings.dtype)[:, None, :])
+        return embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None = None,
+        packed_seq_params=None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if self.mrope:
+            position_ids = self.positions(input_ids, packed_seq_params, image_grid_thw, video_grid_thw,
+                                          second_per_grid_ts)  # fmt: skip
+        decoder_input = None
+        if self.pre_process:
+            if input_ids.shape[0] != 1 and (pixel_values is not None or pixel_values_videos is not None):
+                raise ValueError(f"media need one packed sequence per micro-batch (input_ids [1, S]), "
+                                 f"got {tuple(input_ids.shape)}")  # fmt: skip
+            embeddings = self.foundation.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
+            embeddings = self._merge(input_ids, embeddings, (
+                (self.token_ids.image_token_id, pixel_values, image_grid_thw, "image"),
+                (self.token_ids.video_token_id, pixel_values_videos, video_grid_thw, "video"),
+            ))  # fmt: skip
+            if self.config.sequence_parallel:
+                embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+            decoder_input = embeddings
+        return self.foundation(
+            input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
+            packed_seq_params=packed_seq_params, **kwargs,
+        )  # fmt: skip
