@@ -42,21 +42,18 @@ from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops, step_counts
 
 @dataclass(frozen=True)
 class TextShape:
-    num_layers: int = 36
-    hidden: int = 2048
-    ffn: int = 11008
-    heads: int = 16
-    kv_heads: int = 2
-    vocab: int = 151936
-    tie_embeddings: bool = True
-    rope_theta: float = 1e6
-    mrope_section: tuple[int, ...] = (16, 24, 24)
-    norm_eps: float = 1e-6
-    max_position_embeddings: int = 128000
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tie_embeddings: bool
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    norm_eps: float
+    max_position_embeddings: int
 
     def num_parameters(self) -> int:
         """Qwen2 LLM: qkv with bias, o without, gated MLP, two RMSNorms per layer, final norm."""
@@ -68,27 +65,33 @@ class TextShape:
         return emb + self.num_layers * layer + h
 
 
-# Qwen2.5-VL-3B-Instruct (config.json): vision depth 32, hidden 1280, MLP 3420, 16 heads, out 2048.
-QWEN25_VL_3B_VISION = VisionShape(depth=32, hidden=1280, ffn=3420, out_hidden=2048)
-
-
 @dataclass(frozen=True)
 class BenchShape:
-    text: TextShape = field(default_factory=TextShape)
-    vision: VisionShape = QWEN25_VL_3B_VISION
-    vision_heads: int = 16
+    text: TextShape
+    vision: VisionShape
+    vision_heads: int
 
     def step_flops(self, counts: StepCounts, seq: int) -> float:
         t = self.text
         return llm_flops(t.num_parameters(), t.num_layers, t.hidden, seq, counts.tokens) + counts.vision_flops
 
 
-def bench_shape(text_layers: int, vision_layers: int) -> BenchShape:
-    from dataclasses import replace
-
-    v = QWEN25_VL_3B_VISION
-    vision = replace(v, depth=vision_layers, fullatt_blocks=tuple(i for i in v.fullatt_blocks if i < vision_layers))
-    return BenchShape(text=replace(TextShape(), num_layers=text_layers), vision=vision)
+def bench_shape(model) -> BenchShape:
+    """The shape of a Loong VLM ModelConfig (Qwen2.5-VL ViT + patch merger + Qwen2 LLM), which
+    both sides build: Loong from the config, HF through :func:`hf_config`."""
+    f, e = model.foundation, model.image_encoder
+    text = TextShape(
+        num_layers=f.num_layers, hidden=f.hidden_size, ffn=f.ffn_hidden_size, heads=f.num_attention_heads,
+        kv_heads=f.query_groups, head_dim=f.head_dim, vocab=f.vocab_size, tie_embeddings=f.tie_word_embeddings,
+        rope_theta=f.rotary_base, mrope_section=tuple(f.mrope_section), norm_eps=f.norm_epsilon,
+        max_position_embeddings=f.max_position_embeddings,
+    )  # fmt: skip
+    vision = VisionShape(
+        depth=e.num_layers, hidden=e.hidden_size, ffn=e.ffn_hidden_size, out_hidden=f.hidden_size,
+        patch=e.patch_size, temporal_patch=e.temporal_patch_size, merge=e.spatial_merge_size,
+        window_size=e.window_size, fullatt_blocks=tuple(e.fullatt_block_indexes), in_channels=e.in_channels,
+    )  # fmt: skip
+    return BenchShape(text, vision, e.num_attention_heads)
 
 
 def hf_config(shape: BenchShape, token_ids: dict[str, int]):
@@ -96,6 +99,9 @@ def hf_config(shape: BenchShape, token_ids: dict[str, int]):
     from transformers import Qwen2_5_VLConfig
 
     t, v = shape.text, shape.vision
+    if t.head_dim * t.heads != t.hidden:
+        raise ValueError(f"HF Qwen2.5-VL needs head dim = hidden / heads; the model has {t.head_dim} x {t.heads} "
+                         f"!= {t.hidden}")  # fmt: skip
     return Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=t.vocab, hidden_size=t.hidden, intermediate_size=t.ffn, num_hidden_layers=t.num_layers,

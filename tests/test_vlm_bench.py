@@ -9,19 +9,37 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from vlm_flops import VisionShape, real_tokens, step_counts, vision_flops  # noqa: E402
-from vlm_throughput import BenchShape, TextShape, hf_config, hf_inputs  # noqa: E402
+from vlm_flops import real_tokens, step_counts, vision_flops  # noqa: E402
+from vlm_throughput import bench_shape, hf_config, hf_inputs  # noqa: E402
 
-TINY = BenchShape(
-    text=TextShape(num_layers=2, hidden=64, ffn=96, heads=4, kv_heads=2, vocab=300, mrope_section=(2, 3, 3)),
-    vision=VisionShape(depth=3, hidden=32, ffn=48, out_hidden=64, patch=4, window_size=8, fullatt_blocks=(1,)),
-    vision_heads=2,
+from loong_models import load_model_config
+
+# the zoo's tiny VLM with a one-layer ViT whose windows (28 px) are smaller than the test images
+MODEL = load_model_config(
+    "tiny-vlm",
+    [
+        "image_encoder.num_layers=3",
+        "image_encoder.window_size=28",
+        "image_encoder.fullatt_block_indexes=[1]",
+        "foundation.num_layers=2",
+        "foundation.family=qwen2",
+    ],
+)  # qkv biases, as HF Qwen2.5-VL
+TINY = bench_shape(MODEL)
+IDS = dict(
+    image_token_id=MODEL.image_token_id,
+    video_token_id=MODEL.video_token_id,
+    vision_start_token_id=MODEL.vision_start_token_id,
+    vision_end_token_id=MODEL.vision_end_token_id,
 )
-IDS = dict(image_token_id=290, video_token_id=291, vision_start_token_id=292, vision_end_token_id=293)
+IMG, VID, VS, VE = (
+    IDS[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+)
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_parameter_counts_match_hf(tie):
+def test_parameter_counts_match_hf_and_loong(tie):
+    """HF built from the bench's shape has the parameters Loong's config counts, component by component."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     shape = replace(TINY, text=replace(TINY.text, tie_embeddings=tie))
@@ -32,10 +50,17 @@ def test_parameter_counts_match_hf(tie):
     assert (tower, merger) == (shape.vision.block_params(), shape.vision.merger_params())
     total = sum(p.numel() for p in model.parameters())
     assert total - tower - merger == shape.text.num_parameters()
+    e = MODEL.image_encoder
+    assert tower == e.num_parameters()
+    assert merger == MODEL.image_projector.num_parameters(
+        e.hidden_size, e.spatial_merge_size, MODEL.foundation.hidden_size
+    )
+    if tie == MODEL.foundation.tie_word_embeddings:
+        assert shape.text.num_parameters() == MODEL.foundation.num_parameters()
 
 
 def test_vision_flops_by_hand():
-    v = TINY.vision  # window 8 px / patch 4 = 2x2 patches; one full layer, two windowed
+    v = TINY.vision  # window 28 px / patch 14 = 2x2 patches; one full layer, two windowed
     grid = torch.tensor([[1, 4, 6]])  # 24 patches in one frame
     expected = (6 * v.block_params() * 24 + 6 * v.merger_params() * 24 / 4
                 + 12 * v.hidden * 24 * (1 * 24 + 2 * 4))  # fmt: skip
@@ -45,10 +70,10 @@ def test_vision_flops_by_hand():
 
 
 def _packed():
-    tokens = torch.tensor([[5, 292, 290, 290, 293, 7, 8, 0, 0]])
+    tokens = torch.tensor([[5, VS, IMG, IMG, VE, 7, 8, 0, 0]])
     return {
         "tokens": tokens,
-        "labels": torch.tensor([[292, 290, 290, 293, 7, 8, 9, 0, 0]]),
+        "labels": torch.tensor([[VS, IMG, IMG, VE, 7, 8, 9, 0, 0]]),
         "loss_mask": torch.tensor([[0, 0, 0, 0, 1, 1, 1, 0, 0]], dtype=torch.float32),
         "cu_seqlens": torch.tensor([0, 7, 9], dtype=torch.int32),
         "pixel_values": torch.zeros(8, TINY.vision.patch_dim),
@@ -57,7 +82,7 @@ def _packed():
 
 
 def test_hf_inputs_shift_labels_and_mark_images():
-    inputs = hf_inputs(_packed(), image_token_id=290, video_token_id=291)
+    inputs = hf_inputs(_packed(), image_token_id=IMG, video_token_id=VID)
     # HF predicts labels[i + 1] at position i: the contract's target of position 4 (token 7) sits at 5
     assert inputs["labels"].tolist() == [[-100, -100, -100, -100, -100, 7, 8, 9, -100]]
     assert inputs["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0, 0, 0, 0]]
@@ -81,7 +106,7 @@ def test_hf_loss_is_the_contract_loss():
     mb = _packed()
     mb["pixel_values"] = torch.randn(8, TINY.vision.patch_dim)
     with torch.no_grad():
-        out = model(**hf_inputs(mb, 290, 291))
+        out = model(**hf_inputs(mb, IMG, VID))
         logp = out.logits[0].float().log_softmax(-1)
     mask = mb["loss_mask"][0].bool()
     ref = -logp[mask].gather(1, mb["labels"][0][mask][:, None]).mean()

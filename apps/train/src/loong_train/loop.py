@@ -60,7 +60,8 @@ def lm_forward_step(device: torch.device, data_iterator, model):
     packed = None
     if "cu_seqlens" in batch:
         packed = packed_seq_params(batch["cu_seqlens"].to(device, non_blocking=True), batch["max_seqlen"])
-    media = {key: batch[key].to(device, non_blocking=True) for key in MEDIA_KEYS if key in batch}
+    media = {key: batch[key].to(device, non_blocking=True) for key in MEDIA_KEYS
+             if key in batch and batch[key].numel()}  # a pack without images has empty tensors  # fmt: skip
     output = model(
         tokens,
         batch["position_ids"].to(device, non_blocking=True),
