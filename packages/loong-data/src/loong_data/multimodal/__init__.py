@@ -19,7 +19,12 @@ from loong_data.multimodal.chat import (
     VisionTokenIds,
     load_chat_tokenizer,
 )
-from loong_data.multimodal.convert import ConvertError, ConvertReport, convert_to_webdataset
+from loong_data.multimodal.convert import (
+    ConvertError,
+    ConvertReport,
+    bundled_multimodal_shards,
+    convert_to_webdataset,
+)
 from loong_data.multimodal.pipeline import (
     MultimodalDataError,
     MultimodalSample,
@@ -54,6 +59,7 @@ __all__ = [
     "PackedMultimodalDataset",
     "VisionProcessorConfig",
     "VisionTokenIds",
+    "bundled_multimodal_shards",
     "collate_multimodal",
     "convert_to_webdataset",
     "default_chat_tokenizer",

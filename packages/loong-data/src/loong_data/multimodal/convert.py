@@ -7,6 +7,7 @@ bytes as stored on disk: ``img<i>.<ext>`` for the ``i``-th image, ``vid<j>.<k:03
 ``k`` of the ``j``-th video. ``manifest.json`` lists the shards and their sample counts.
 """
 
+import hashlib
 import io
 import json
 import os
@@ -170,6 +171,7 @@ def convert_to_webdataset(
     on_error: str = "skip",
     overwrite: bool = False,
     progress: bool = True,
+    fingerprint: str | None = None,
 ) -> ConvertReport:
     """Write the conversations of ``inputs`` (.json / .jsonl files) to ``out_dir/shard-%06d.tar``.
 
@@ -178,6 +180,7 @@ def convert_to_webdataset(
     or undecodable media) is skipped and reported as ``file:line: reason`` when ``on_error`` is
     ``"skip"``; with ``"stop"`` it raises :class:`ConvertError` and nothing is written. Output goes
     to a temporary folder renamed to ``out_dir`` at the end, so ``out_dir`` is complete or absent.
+    ``fingerprint`` (any string) is stored in ``manifest.json`` for callers that reuse shards.
     """
     import webdataset as wds
 
@@ -226,7 +229,7 @@ def convert_to_webdataset(
                     report.counts[kind] = report.counts.get(kind, 0) + 1
             bar.close()
         shards = sorted(tmp.glob("shard-*.tar"))
-        _write_manifest(tmp, shards, report, paths)
+        _write_manifest(tmp, shards, report, paths, fingerprint)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -237,7 +240,9 @@ def convert_to_webdataset(
     return report
 
 
-def _write_manifest(folder: Path, shards: list[Path], report: ConvertReport, inputs: list[Path]) -> None:
+def _write_manifest(
+    folder: Path, shards: list[Path], report: ConvertReport, inputs: list[Path], fingerprint: str | None
+) -> None:
     import tarfile
 
     entries = []
@@ -253,5 +258,38 @@ def _write_manifest(folder: Path, shards: list[Path], report: ConvertReport, inp
         "counts": report.counts,
         "shards": entries,
         "inputs": [str(p) for p in inputs],
+        "fingerprint": fingerprint,
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+
+
+def bundled_multimodal_shards(out_dir: str | Path, *, maxcount: int = 64, progress: bool = False) -> Path:
+    """``out_dir`` holding the bundled multimodal sample as shards, converted on first use and reused
+    while the bundled files and ``maxcount`` are unchanged (a fingerprint in ``manifest.json``).
+    Under torch.distributed let one rank call it first (then a barrier): conversion is atomic,
+    but concurrent conversions would do the work twice."""
+    from loong_data.bundled import default_multimodal_dataset
+
+    source = default_multimodal_dataset()
+    digest = hashlib.sha256(f"maxcount={maxcount}".encode())
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(source)).encode() + b"\0" + path.read_bytes())
+    fingerprint = digest.hexdigest()
+    out_dir = Path(out_dir)
+    manifest = out_dir / MANIFEST
+    if manifest.is_file():
+        existing = json.loads(manifest.read_text(encoding="utf-8"))
+        if existing.get("fingerprint") == fingerprint and all(
+            (out_dir / s["name"]).is_file() for s in existing["shards"]
+        ):
+            return out_dir
+    convert_to_webdataset(
+        [source / "conversations.jsonl"],
+        out_dir,
+        maxcount=maxcount,
+        on_error="stop",
+        overwrite=True,
+        progress=progress,
+        fingerprint=fingerprint,
+    )
+    return out_dir
