@@ -68,6 +68,7 @@ class ImageProjector(MegatronModule):
         else:
             self.norm = None
         self.mlp = MLP(config, projector_mlp_spec(layer_backend), input_size=cfg.input_size(encoder_hidden, merge),
+            ffn_hidden_size=config.ffn_hidden_size,
                        tp_group=tp_group)  # fmt: skip
 
     def set_input_tensor(self, input_tensor) -> None:

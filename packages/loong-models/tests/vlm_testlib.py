@@ -1,0 +1,86 @@
+"""Shared helpers of the VLM tests: tiny configs, building the vision components in a megatron
+world, and a test-local HF -> Loong weight map for the two ViT types (loong-ckpt owns the real one)."""
+
+from __future__ import annotations
+
+import torch
+
+from loong_models import FoundationConfig, ImageEncoderConfig, ImageProjectorConfig, build_transformer_config
+from loong_models.image_encoder import ImageEncoder, build_encoder_transformer_config
+from loong_models.image_projector import ImageProjector, build_projector_transformer_config
+
+
+def build_vision(enc: ImageEncoderConfig, proj: ImageProjectorConfig | None = None, out_size: int = 48):
+    """Encoder (+ projector) in fp32 on the CPU with the local backend (needs a megatron world)."""
+    base = build_transformer_config(FoundationConfig(), params_dtype=torch.float32, use_cpu_initialization=True)
+    econf = build_encoder_transformer_config(enc, base, tensor_model_parallel_size=1, backend="local")
+    encoder = ImageEncoder(enc, econf, layer_backend="local")
+    if proj is None:
+        return encoder, None
+    m = enc.spatial_merge_size
+    pconf = build_projector_transformer_config(proj, base, encoder_hidden=enc.hidden_size, merge=m,
+                                               out_size=out_size, tensor_model_parallel_size=1, backend="local")  # fmt: skip
+    return encoder, ImageProjector(proj, pconf, encoder_hidden=enc.hidden_size, merge=m, layer_backend="local")
+
+
+def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Megatron's fused QKV layout: per head [q_h; k_h; v_h] (MHA: one query per group)."""
+    parts = [t.reshape(heads, -1, *t.shape[1:]) for t in (q, k, v)]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def qwen_vit_state(hf: dict[str, torch.Tensor], heads: int, depth: int) -> dict[str, torch.Tensor]:
+    """HF Qwen2_5_VisionTransformerPretrainedModel state -> {image_encoder, image_projector} states."""
+    enc = {"patch_embed.proj.weight": hf["patch_embed.proj.weight"]}
+    for i in range(depth):
+        b, o = f"blocks.{i}.", f"decoder.layers.{i}."
+        enc[o + "input_layernorm.weight"] = hf[b + "norm1.weight"]
+        enc[o + "pre_mlp_layernorm.weight"] = hf[b + "norm2.weight"]
+        for kind in ("weight", "bias"):
+            enc[o + f"self_attention.linear_qkv.{kind}"] = _qkv(*hf[b + f"attn.qkv.{kind}"].chunk(3), heads)
+            enc[o + f"self_attention.linear_proj.{kind}"] = hf[b + f"attn.proj.{kind}"]
+            gate, up = hf[b + f"mlp.gate_proj.{kind}"], hf[b + f"mlp.up_proj.{kind}"]
+            enc[o + f"mlp.linear_fc1.{kind}"] = torch.cat([gate, up])
+            enc[o + f"mlp.linear_fc2.{kind}"] = hf[b + f"mlp.down_proj.{kind}"]
+    proj = {"norm.weight": hf["merger.ln_q.weight"]}
+    for kind in ("weight", "bias"):
+        proj[f"mlp.linear_fc1.{kind}"] = hf[f"merger.mlp.0.{kind}"]
+        proj[f"mlp.linear_fc2.{kind}"] = hf[f"merger.mlp.2.{kind}"]
+    return {"image_encoder": enc, "image_projector": proj}
+
+
+def siglip_state(hf: dict[str, torch.Tensor], heads: int, depth: int) -> dict[str, torch.Tensor]:
+    """HF SiglipVisionModel state (no head) -> image_encoder state (HF 5 drops the vision_model. prefix)."""
+    p = "vision_model." if any(k.startswith("vision_model.") for k in hf) else ""
+    enc = {
+        "patch_embed.proj.weight": hf[p + "embeddings.patch_embedding.weight"],
+        "patch_embed.proj.bias": hf[p + "embeddings.patch_embedding.bias"],
+        "position_embedding.weight": hf[p + "embeddings.position_embedding.weight"],
+    }
+    for kind in ("weight", "bias"):
+        enc[f"decoder.final_layernorm.{kind}"] = hf[p + f"post_layernorm.{kind}"]
+        for i in range(depth):
+            b, o = f"{p}encoder.layers.{i}.", f"decoder.layers.{i}."
+            enc[o + f"input_layernorm.{kind}"] = hf[b + f"layer_norm1.{kind}"]
+            enc[o + f"pre_mlp_layernorm.{kind}"] = hf[b + f"layer_norm2.{kind}"]
+            qkv = (hf[b + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
+            enc[o + f"self_attention.linear_qkv.{kind}"] = _qkv(*qkv, heads)
+            enc[o + f"self_attention.linear_proj.{kind}"] = hf[b + f"self_attn.out_proj.{kind}"]
+            enc[o + f"mlp.linear_fc1.{kind}"] = hf[b + f"mlp.fc1.{kind}"]
+            enc[o + f"mlp.linear_fc2.{kind}"] = hf[b + f"mlp.fc2.{kind}"]
+    return enc
+
+
+def load_exact(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load every parameter (no missing or unexpected names; megatron's _extra_state aside)."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    assert not missing and not unexpected, (missing, unexpected)
+
+
+def image_to_patches(img: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
+    """[C, H, W] -> [H/P * W/P, C*P*P] rows in the processor's merge-block order (T = 1)."""
+    c, h, w = img.shape
+    gh, gw = h // patch, w // patch
+    x = img.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
+    return x.permute(1, 4, 2, 5, 0, 3, 6).reshape(gh * gw, c * patch * patch)
