@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from loong_ckpt.online import export_hf, is_hf_dir, load_hf_weights
 from loong_ckpt.training import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
 from loong_models import build_model, build_transformer_config, fusion_fields, resolve_backend
+from loong_models.lora import LoraError
 from loong_models.packed_seq import packed_seq_params
 from loong_parallel import (
     LOSS_KEY,
@@ -133,13 +134,26 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         return build_model(cfg.model, tconfig, device_type=accel.device_type, pre_process=pre_process,
                            post_process=post_process, vp_stage=vp_stage)  # fmt: skip
 
-    chunks = build_model_chunks(provider, cfg.parallel, tconfig, accel)
+    try:
+        chunks = build_model_chunks(provider, cfg.parallel, tconfig, accel)
+    except LoraError as e:
+        raise ConfigError(str(e)) from None
+    lora = cfg.model.lora
+    trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
+    total_trainable = torch.tensor([trainable], device=device)
+    torch.distributed.all_reduce(total_trainable)
+    if total_trainable.item() == 0:
+        raise ConfigError("nothing to train: every parameter is frozen (model.<component>.freeze, model.lora)")
     optimizer, scheduler = build_optimizer(cfg.optim, cfg.parallel, chunks, dtype=dtype, total_steps=t.steps)
-
     start_step = 0
     resumed = latest_checkpoint(ckpt_root) if cfg.resume else None
     if cfg.resume and resumed is None and is_main:
         logger.warning("resume=true but %s holds no complete checkpoint: starting from scratch", ckpt_root)
+    if lora is not None and resumed is not None:
+        _check_lora_base(resumed, t.init_from)
+    if t.init_from and (resumed is None or lora is not None):
+        # With LoRA the checkpoints hold the adapters only: the frozen base always comes from init_from.
+        _load_weights(t.init_from, chunks, f, part="frozen" if lora is not None else "all", is_main=is_main)
     if resumed is not None:
         info, rng = load_checkpoint(resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel))
         if rng is not None:
@@ -147,12 +161,6 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         start_step = info.step
         if is_main:
             logger.info("resumed from %s (step %d)", info.path, start_step)
-    elif t.init_from and is_hf_dir(t.init_from):
-        load_hf_weights(t.init_from, chunks, f)
-    elif t.init_from:
-        info, _ = load_checkpoint(read_checkpoint_info(t.init_from).path, chunks)
-        if is_main:
-            logger.info("initialised model weights from %s", info.path)
     if t.init_from and resumed is None:
         # bf16 / fp16 optimizers keep fp32 main copies made when they were built: refresh them from
         # the weights just loaded, or the first step would write the random init back (no-op in fp32).
@@ -165,10 +173,11 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     if is_main:
         logger.info(
             "model %s (%.1fM params, %s layers) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d | "
-            "global batch %d x seq %d, %d micro-batches/step",
+            "global batch %d x seq %d, %d micro-batches/step | trainable params (rank 0): %.3fM%s",
             f.family, n_params / 1e6, f.num_layers, accel.name, str(dtype).removeprefix("torch."), backend,
             world_size, cfg.parallel.tp, cfg.parallel.pp, mpu.get_data_parallel_world_size(),
-            t.global_batch_size, cfg.data.seq_length, num_microbatches,
+            t.global_batch_size, cfg.data.seq_length, num_microbatches, trainable / 1e6,
+            f" (LoRA rank {lora.rank} on {', '.join(lora.targets)})" if lora else "",
         )  # fmt: skip
 
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
@@ -211,11 +220,13 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     ckpt_extra = {"tokens_per_step": tokens_per_step, "foundation": asdict(f)}
     if t.init_from and is_hf_dir(t.init_from):
         ckpt_extra["hf_config"] = json.loads((Path(t.init_from) / "config.json").read_text())
+    if lora is not None:  # adapters only; loong-convert merges them into `base` on export
+        ckpt_extra["lora"] = {**asdict(lora), "base": str(Path(t.init_from).absolute())}
 
     def save(step: int) -> Path:
         return save_checkpoint(
             ckpt_root, step, chunks, optimizer, scheduler, rng_state=_rng_state(accel),
-            extra=ckpt_extra, keep_last=t.keep_last,
+            extra=ckpt_extra, keep_last=t.keep_last, trainable_only=lora is not None,
         )  # fmt: skip
 
     def export(step: int, checkpoint: Path) -> Path:
@@ -281,6 +292,27 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         summary.hf_export = export(t.steps, summary.checkpoint)
     metrics.close()
     return summary
+
+
+def _load_weights(init_from: str, chunks: list, f, *, part: str, is_main: bool) -> None:
+    """Model weights (not optimizer state) from an HF directory or a Loong checkpoint."""
+    if is_hf_dir(init_from):
+        load_hf_weights(init_from, chunks, f)  # HF weights never include LoRA adapters
+        return
+    info, _ = load_checkpoint(read_checkpoint_info(init_from).path, chunks, part=part)
+    if is_main:
+        logger.info("initialised model weights from %s", info.path)
+
+
+def _check_lora_base(resumed, init_from: str | None) -> None:
+    """A LoRA checkpoint's adapters belong to the base weights it was trained on."""
+    base = (resumed.meta.get("lora") or {}).get("base")
+    if base is None:
+        raise ConfigError(f"{resumed.path} is not a LoRA checkpoint but model.lora is set; resume it without LoRA "
+                          "or start a LoRA run in another train.output_dir")  # fmt: skip
+    if init_from is None or Path(init_from).absolute() != Path(base):
+        raise ConfigError(f"train.init_from={init_from!r} but the LoRA checkpoint {resumed.path} was trained on "
+                          f"{base}; resume with train.init_from={base}")  # fmt: skip
 
 
 def _rng_state(accel: Accelerator) -> dict:

@@ -71,12 +71,17 @@ def validate(cfg: Config, world_size: int) -> int:
     t, f = cfg.train, cfg.model.foundation
     try:
         f.validate()
+        if cfg.model.lora is not None:
+            cfg.model.lora.validate()
         cfg.optim.validate()
         cfg.parallel.validate(world_size, f.num_layers, f.num_attention_heads, f.query_groups)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r}; allowed: {', '.join(DTYPES)}")
+    if cfg.model.lora is not None and not t.init_from:
+        raise ConfigError("model.lora needs train.init_from: the base weights the adapters train on "
+                          "(a Loong checkpoint or an HF directory)")  # fmt: skip
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0 (0 saves the initial weights)")
     if t.export_hf_interval < 0:

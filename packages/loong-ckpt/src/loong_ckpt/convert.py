@@ -26,10 +26,11 @@ from loong_ckpt.hf_config import (
     foundation_to_dict,
     from_hf_config,
     model_name,
+    same_architecture,
     to_hf_config,
     write_model_yaml,
 )
-from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files
+from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
 from loong_ckpt.log import logger
 from loong_ckpt.mapping import Rule
 from loong_ckpt.mcore_io import Chunk, model_template, read_metadata, read_regions, write_checkpoint
@@ -238,32 +239,27 @@ def mcore_to_hf(
     progress: bool = True,
     max_shard_bytes: int = 2 * 2**30,
 ) -> ConvertResult:
-    """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``."""
+    """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``.
+    A LoRA checkpoint (adapters only) is merged into the base weights it names (``W + s * B @ A``):
+    the output is a plain model."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     check_output_dir(out, force)
     if src.name.endswith(PARTIAL_SUFFIX):
         raise ConversionError(f"{src} is an incomplete checkpoint (interrupted save); it cannot be converted")
     cfg, meta = _checkpoint_foundation(src, foundation)
-    stored = read_metadata(src)
+    lora = meta.get("lora")
+    base = _lora_base(src, lora) if lora else src
     rules = [r for r in get_mapping(cfg.family).rules if r.applies(cfg)]
-    layer_shapes: dict[str, tuple[int, ...]] = {}
-    for r in rules:
-        if r.mcore not in stored:
-            raise ConversionError(f"{src}: megatron key {r.mcore} is missing from the checkpoint")
-        shape = tuple(stored[r.mcore].size)
-        if r.layered and shape[0] != cfg.num_layers:
-            raise ConversionError(f"{src}: {r.mcore} holds {shape[0]} layers, the model config has {cfg.num_layers}")
-        layer_shapes[r.mcore] = _layer_shape(r.mcore, shape, r.layered)
-    out_dtype = parse_dtype(dtype)
     groups = _groups(rules, cfg.num_layers)
-    plan = []
-    for rule, layer in groups:
-        dt = out_dtype or stored[rule.mcore].properties.dtype
-        for n, s in zip(rule.hf_names(layer), rule.hf_shapes(layer_shapes[rule.mcore], cfg)):
-            plan.append((n, s, dt))
+    out_dtype = parse_dtype(dtype)
+    if is_hf_dir(base):  # a LoRA run that started from HF weights
+        read_group, plan = _hf_base(base, cfg, rules, groups, out_dtype)
+    else:
+        read_group, plan = _mcore_base(base, cfg, rules, groups, out_dtype)
+    merge = _LoraMerge(src, lora) if lora else None
     final_dtype = plan[0][2]
-    tok_src = tokenizer or src
+    tok_src = tokenizer or base
     with atomic_output_dir(out, force) as tmp:
         writer = SafetensorsWriter(tmp, plan, max_shard_bytes)
         bar = tqdm(total=len(plan), unit="tensor", desc="mcore-to-hf", disable=not progress)
@@ -272,7 +268,9 @@ def mcore_to_hf(
             current, buffers = None, {}
             for rule, layer in groups:
                 if layer != current or not buffers:
-                    current, buffers = layer, _read_group(src, rules, layer, layer_shapes, stored)
+                    current, buffers = layer, read_group(layer)
+                    if merge:
+                        merge(buffers, layer)
                 for n, t in zip(rule.hf_names(layer), rule.to_hf(buffers[rule.mcore], cfg)):
                     writer.write(n, t.to(out_dtype or t.dtype))
                     bar.update(1)
@@ -280,12 +278,105 @@ def mcore_to_hf(
         finally:
             writer.abort()
             bar.close()
+        if merge:
+            merge.check_all_merged()
         hf_cfg = to_hf_config(cfg, final_dtype, meta.get("hf_config"))
         copy_tokenizer_files(tok_src, tmp)
         _write_atomic(tmp / CONFIG_FILE, json.dumps(hf_cfg, indent=2) + "\n")
     res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(plan))
     logger.info("wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(plan), res.seconds, res.peak_rss_mib)
     return res
+
+
+def _mcore_base(src: Path, cfg: FoundationConfig, rules: list[Rule], groups, out_dtype):
+    """(layer -> {megatron key: global tensor}, HF write plan) for a megatron checkpoint."""
+    stored = read_metadata(src)
+    layer_shapes: dict[str, tuple[int, ...]] = {}
+    for r in rules:
+        if r.mcore not in stored:
+            raise ConversionError(f"{src}: megatron key {r.mcore} is missing from the checkpoint")
+        shape = tuple(stored[r.mcore].size)
+        if r.layered and shape[0] != cfg.num_layers:
+            raise ConversionError(f"{src}: {r.mcore} holds {shape[0]} layers, the model config has {cfg.num_layers}")
+        layer_shapes[r.mcore] = _layer_shape(r.mcore, shape, r.layered)
+    plan = []
+    for rule, layer in groups:
+        dt = out_dtype or stored[rule.mcore].properties.dtype
+        for n, s in zip(rule.hf_names(layer), rule.hf_shapes(layer_shapes[rule.mcore], cfg)):
+            plan.append((n, s, dt))
+    return (lambda layer: _read_group(src, rules, layer, layer_shapes, stored)), plan
+
+
+def _hf_base(src: Path, cfg: FoundationConfig, rules: list[Rule], groups, out_dtype):
+    """The same for an HF directory (LoRA base weights): read and map to megatron's layout."""
+    reader = HFReader(src)
+    if not same_architecture(from_hf_config(reader.config, str(src / CONFIG_FILE)), cfg):
+        raise ConversionError(f"{src / CONFIG_FILE} (the LoRA base) describes a different model than the checkpoint")
+    plan = []
+    for rule, layer in groups:
+        for n in rule.hf_names(layer):
+            if n not in reader:
+                raise ConversionError(f"{src}: tensor {n} (for megatron key {rule.mcore}) is missing")
+            plan.append((n, reader.shape(n), out_dtype or reader.info(n).dtype))
+    padded = cfg.padded_vocab_size()
+
+    def read_group(layer: int | None) -> dict[str, torch.Tensor]:
+        return {r.mcore: r.to_mcore([reader.read(n) for n in r.hf_names(layer)], cfg, padded)
+                for r in rules if (layer is None) != r.layered}  # fmt: skip
+
+    return read_group, plan
+
+
+def _lora_base(src: Path, lora: dict) -> Path:
+    """The full weights a LoRA checkpoint's adapters were trained on (its ``train.init_from``)."""
+    base = Path(lora.get("base") or "")
+    if not lora.get("base") or not base.exists():
+        raise ConversionError(f"{src} holds LoRA adapters only; their base weights {lora.get('base')!r} "
+                              "(train.init_from of the run) do not exist")  # fmt: skip
+    if not is_hf_dir(base) and json.loads((base / META_FILE).read_text()).get("params", "all") != "all":
+        raise ConversionError(f"{src}: the LoRA base {base} is itself a partial (adapters-only) checkpoint")
+    return base
+
+
+class _LoraMerge:
+    """Adds ``scale * B @ A`` of a LoRA checkpoint to the base tensors it adapts, layer by layer."""
+
+    SUFFIXES = (".lora_a", ".lora_b")
+
+    def __init__(self, src: Path, lora: dict) -> None:
+        self.src, self.scale = src, float(lora["alpha"]) / int(lora["rank"])
+        self.stored = read_metadata(src)
+        # model tensors only: the optimizer's moments of the adapters share the suffixes
+        self.adapted = {k.removesuffix(".lora_a") for k in self.stored if k.endswith(".lora_a")
+                        and not k.startswith("optimizer.")}  # fmt: skip
+        self.merged: set[str] = set()
+
+    def __call__(self, buffers: dict[str, torch.Tensor], layer: int | None) -> None:
+        regions = {}
+        for key in buffers:
+            stem = key.removesuffix(".weight")
+            if stem in self.adapted:
+                for k in (stem + ".lora_a", stem + ".lora_b"):
+                    meta = self.stored[k]
+                    shape = tuple(meta.size)
+                    off = (layer,) + (0,) * (len(shape) - 1) if layer is not None else (0,) * len(shape)
+                    buf = torch.empty(1, *shape[1:]) if layer is not None else torch.empty(*shape)
+                    regions[k] = (off, buf.to(meta.properties.dtype))
+        read_regions(self.src, regions)
+        for stem in {k.rsplit(".", 1)[0] for k in regions}:
+            a, b = (regions[stem + s][1] for s in self.SUFFIXES)
+            if layer is not None:
+                a, b = a[0], b[0]
+            w = buffers[stem + ".weight"]
+            if (b.shape[0], a.shape[1]) != tuple(w.shape):
+                raise ConversionError(f"{self.src}: LoRA {stem} is {tuple(b.shape)} @ {tuple(a.shape)}, "
+                                      f"the base weight {tuple(w.shape)}")  # fmt: skip
+            buffers[stem + ".weight"] = (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
+            self.merged.add(stem)
+
+    def check_all_merged(self) -> None:
+        if missed := sorted(self.adapted - self.merged):
+            raise ConversionError(f"{self.src}: LoRA adapters without a base weight to merge into: {missed}")
 
 
 def _read_group(src: Path, rules: list[Rule], layer: int | None, layer_shapes, stored) -> dict[str, torch.Tensor]:

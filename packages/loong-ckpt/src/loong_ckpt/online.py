@@ -22,6 +22,7 @@ from loong_ckpt.hf_io import CONFIG_FILE, HFReader, is_hf_dir
 from loong_ckpt.log import logger
 from loong_ckpt.training import _unwrap
 from loong_models import FoundationConfig
+from loong_models.lora import is_adapter_key
 
 __all__ = ["export_hf", "is_hf_dir", "load_hf_weights", "read_hf_foundation"]
 
@@ -34,7 +35,8 @@ def read_hf_foundation(path: str | Path) -> FoundationConfig:
 
 def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: FoundationConfig) -> int:
     """Load an HF directory's weights into this rank's model ``chunks`` (built for ``cfg``).
-    Returns the number of parameters tensors loaded."""
+    Returns the number of parameters tensors loaded. LoRA adapters are not HF weights: they keep
+    their initialisation."""
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
@@ -51,7 +53,7 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
     loaded = 0
     for chunk in chunks:
         for name, entry in _unwrap(chunk).sharded_state_dict().items():
-            if isinstance(entry, ShardedObject):
+            if isinstance(entry, ShardedObject) or is_adapter_key(name):
                 continue
             data = entry.data
             sh = entry.build()[0] if isinstance(entry, ShardedTensorFactory) else entry

@@ -142,10 +142,25 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def _model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+# Which model tensors a checkpoint holds / a load reads: every tensor, only the trainable
+# parameters (LoRA: the adapters; the frozen base comes from train.init_from), or the rest.
+PARTS = ("all", "trainable", "frozen")
+
+
+def _select(model: torch.nn.Module, part: str) -> dict[str, Any]:
+    sd = model.sharded_state_dict()
+    if part == "all":
+        return sd
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in sd.items() if (k in trainable) == (part == "trainable")}
+
+
+def _model_sharded_state_dict(chunks: list[torch.nn.Module], part: str = "all") -> dict[str, Any]:
+    if part not in PARTS:
+        raise ValueError(f"checkpoint part {part!r}; allowed: {', '.join(PARTS)}")
     if len(chunks) == 1:
-        return {"model": _unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": _select(_unwrap(chunks[0]), part)}
+    return {f"model{i}": _select(_unwrap(c), part) for i, c in enumerate(chunks)}
 
 
 def save_checkpoint(
@@ -158,8 +173,11 @@ def save_checkpoint(
     rng_state: Any = None,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    trainable_only: bool = False,
 ) -> Path:
-    """Save model chunks (+ optimizer, scheduler, per-rank RNG state) for ``step``; collective."""
+    """Save model chunks (+ optimizer, scheduler, per-rank RNG state) for ``step``; collective.
+    ``trainable_only``: only parameters with ``requires_grad`` (e.g. LoRA adapters; the caller
+    records in ``extra`` where the frozen rest comes from)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -171,7 +189,8 @@ def save_checkpoint(
         partial.mkdir()
     _barrier()
     t0 = time.perf_counter()
-    state = _model_sharded_state_dict(chunks)
+    part = "trainable" if trainable_only else "all"
+    state = _model_sharded_state_dict(chunks, part)
     if optimizer is not None:
         model_sd = dict(state)
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -185,7 +204,8 @@ def save_checkpoint(
     dist_checkpointing.save(state, str(partial))
     _barrier()
     if _is_main():
-        meta = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(), "time": time.time()}
+        meta = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(), "time": time.time(),
+                "params": part}  # fmt: skip
         meta.update(extra or {})
         _write_atomic(partial / META_FILE, json.dumps(meta, indent=2))
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
@@ -236,13 +256,20 @@ def load_checkpoint(
     scheduler=None,
     *,
     rng_state_template: Any = None,
+    part: str | None = None,
 ) -> tuple[CheckpointInfo, Any]:
     """Load into ``chunks`` (and optimizer / scheduler when given). Returns the checkpoint info
-    and this rank's saved RNG state (None when not saved or the layout changed)."""
+    and this rank's saved RNG state (None when not saved or the layout changed). ``part``: which
+    model tensors to read (``all``, ``trainable``, ``frozen``); default: what the checkpoint holds."""
     from megatron.core import dist_checkpointing
 
     info = read_checkpoint_info(path)
-    template = _model_sharded_state_dict(chunks)
+    saved = info.meta.get("params", "all")
+    part = part or saved
+    if saved == "trainable" and part != "trainable":
+        raise ValueError(f"{info.path} holds only trainable parameters (e.g. LoRA adapters), not the "
+                         f"{part} ones; load the base weights from the checkpoint it names")  # fmt: skip
+    template = _model_sharded_state_dict(chunks, part)
     if optimizer is not None:
         model_sd = dict(template)
         template["optimizer"] = optimizer.sharded_state_dict(
@@ -254,9 +281,12 @@ def load_checkpoint(
     absent = _drop_absent_extra_state(template, info.path)
     state = dist_checkpointing.load(template, str(info.path))
     for i, c in enumerate(chunks):
-        result = _unwrap(c).load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=not absent)
-        missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)] if absent else []
-        if missing or (absent and result.unexpected_keys):
+        subset = part != "all"  # the other tensors stay as they are
+        sd = state["model" if len(chunks) == 1 else f"model{i}"]
+        result = _unwrap(c).load_state_dict(sd, strict=not (absent or subset))
+        # non-strict loads: only absent TE extra states (and, for a subset, the other part) may be missing
+        missing = [] if subset else [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)]
+        if missing or result.unexpected_keys:
             raise ValueError(f"{info.path}: checkpoint does not match the model: missing {missing}, "
                              f"unexpected {result.unexpected_keys}")  # fmt: skip
     if optimizer is not None:

@@ -10,6 +10,7 @@ from loong_models.foundation import (
 )
 from loong_models.image_encoder import ENCODER_TYPES, ImageEncoder, ImageEncoderConfig
 from loong_models.image_projector import ImageProjector, ImageProjectorConfig
+from loong_models.lora import LoraConfig, apply_lora
 from loong_models.model import (
     ModelConfig,
     build_model,
@@ -31,10 +32,12 @@ __all__ = [
     "ImageEncoderConfig",
     "ImageProjector",
     "ImageProjectorConfig",
+    "LoraConfig",
     "ModelConfig",
     "OmniCombinationModel",
     "VisionTokenIds",
     "RopeScaling",
+    "apply_lora",
     "build_foundation",
     "build_model",
     "build_transformer_config",

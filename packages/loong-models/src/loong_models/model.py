@@ -3,7 +3,7 @@ and for VLMs an ``image_encoder`` and an ``image_projector`` (OmniCombinationMod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from loong_models.image_projector import (
     ImageProjectorConfig,
     build_projector_transformer_config,
 )
+from loong_models.lora import LoraConfig, apply_lora
 from loong_models.omni import OmniCombinationModel, VisionTokenIds
 from loong_models.specs import resolve_backend
 
@@ -40,6 +41,8 @@ class ModelConfig:
     tokens_per_second: float = 2.0
     # Which layer implementations to use: auto (TE on CUDA when installed, else local), te, local.
     layer_backend: str = "auto"
+    # Low-rank adapters (null = off): freezes the adapted components' base weights.
+    lora: LoraConfig | None = None
 
     @property
     def is_multimodal(self) -> bool:
@@ -114,6 +117,8 @@ def to_model_config(raw) -> ModelConfig:
     merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), raw)
     cfg: ModelConfig = OmegaConf.to_object(merged)
     cfg.validate()
+    if cfg.lora is not None:
+        cfg.lora.validate()
     return cfg
 
 
@@ -141,8 +146,8 @@ def build_model(
     vp_stage: int | None = None,
     encoder_pg_collection: ProcessGroupCollection | None = None,
 ):
-    """Build this rank's pipeline stage of the model described by ``cfg``: a megatron GPTModel for a
-    text-only model, an :class:`OmniCombinationModel` for a VLM.
+    """Build this rank's pipeline stage of the model described by ``cfg`` (with its LoRA adapters):
+    a megatron GPTModel for a text-only model, an :class:`OmniCombinationModel` for a VLM.
 
     ``config`` is the foundation's TransformerConfig. The encoder and projector get their own,
     with the foundation's precision and their own TP size; ``encoder_pg_collection`` holds their
@@ -160,6 +165,7 @@ def build_model(
         scatter_embedding_sequence_parallel=not cfg.is_multimodal,
     )
     if not cfg.is_multimodal:
+        _apply_lora(cfg.lora, {"foundation": foundation})
         return foundation
     enc_cfg, proj_cfg = cfg.image_encoder, cfg.image_projector
     assert enc_cfg is not None and proj_cfg is not None
@@ -184,6 +190,7 @@ def build_model(
         )  # fmt: skip
         for module, component in ((encoder, enc_cfg), (projector, proj_cfg)):
             _apply_component_settings(module, component.freeze, replicated=etp < ftp)
+    _apply_lora(cfg.lora, {"foundation": foundation, "image_encoder": encoder, "image_projector": projector})
     return OmniCombinationModel(
         config, foundation, encoder, projector,
         token_ids=VisionTokenIds(cfg.image_token_id, cfg.video_token_id),
@@ -204,3 +211,13 @@ def _apply_component_settings(module: torch.nn.Module, freeze: bool, *, replicat
             # even with non-deterministic kernels), and the grad norm counts them once (TP rank 0).
             p.average_gradients_across_tp_domain = True
             p.tensor_model_parallel = False
+
+
+def _apply_lora(lora: LoraConfig | None, modules: dict[str, torch.nn.Module | None]) -> None:
+    """Adapters on this stage's components; a component held by another pipeline stage (None
+    here) is adapted there."""
+    if lora is None:
+        return
+    here = [c for c in lora.components if modules.get(c, True) is not None]
+    if here:
+        apply_lora({k: m for k, m in modules.items() if m is not None}, replace(lora, components=here))
