@@ -59,24 +59,109 @@ def test_vlm_job_learns_checkpoints_and_resumes(run_vlm):
     resumed = run_vlm([*SHORT, "optim.lr=3e-3", "resume=true"], name="half").check()
     assert "(step 3)" in resumed.stderr
     for step in (4, 5, 6):
-        assert abs(resumed.losses()[step] - losses[step]) <= 1e-5, (step, resumed.losses()[step], losses[step])
+        assert abs(resumed.losses()[step] - losses[step]) <= 1e-5, (
+            step,
+            resumed.losses()[step],
+            losses[step],
+        )
+
+
+def test_text_model_on_image_data_fails_naming_the_key(run_vlm):
+    run = run_vlm(["train.steps=1", "model=tiny"])
+    assert run.returncode != 0
+    assert (
+        "config error: data.kind=multimodal (images in the data) but model.image_encoder is null"
+        in run.stderr
+    )
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+
+    from loong_train.main import to_config
+
+    with initialize_config_module("loong_train.configs", version_base=None):
+        return to_config(compose("vlm", overrides=overrides))
+
+
+@pytest.fixture(scope="module")
+def text_only_tokenizer(tmp_path_factory):
+    """An HF tokenizer folder with a chat template but no vision tokens (the bundled text BPE)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from loong_data import default_tokenizer
+
+    out = tmp_path_factory.mktemp("text-tokenizer")
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(default_tokenizer()))
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(out)
+    return out
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model=tiny"], "model.image_encoder"),  # images in the data, no image encoder in the model
-        (["data.tokenizer=BUNDLED_TEXT_TOKENIZER"], "<|image_pad|>"),
-        (["data.packing=fixed"], "data.packing"),
-        (["data.multimodal.jsonl=[/nonexistent/x.jsonl]"], "/nonexistent/x.jsonl"),
+        (["model.image_token_id=8100"], "model.image_token_id=8100 but the tokenizer"),
+        (["data.tokenizer=TEXT_TOKENIZER"], "a vision chat tokenizer needs it"),
+        (["data.packing=fixed"], "data.packing='fixed': multimodal data is packed"),
+        (
+            ["data.multimodal.jsonl=[/nonexistent/x.jsonl]"],
+            "data.multimodal.jsonl: /nonexistent/x.jsonl not found",
+        ),
+        (["data.multimodal.val_shards=0"], "data.multimodal.val_shards=0"),
     ],
-    ids=["no-image-encoder", "tokenizer-without-vision-tokens", "fixed-packing", "missing-jsonl"],
+    ids=[
+        "image-token-id-mismatch",
+        "tokenizer-without-vision-tokens",
+        "fixed-packing",
+        "missing-jsonl",
+        "no-val",
+    ],
 )
-def test_bad_multimodal_input_names_the_key(run_vlm, overrides, message):
-    from loong_data import default_tokenizer
+def test_bad_multimodal_config_names_the_key(overrides, message, text_only_tokenizer, tmp_path):
+    from loong_train.multimodal import load_multimodal_data
+    from loong_train.schema import ConfigError, validate
 
-    overrides = [o.replace("BUNDLED_TEXT_TOKENIZER", str(default_tokenizer())) for o in overrides]
-    run = run_vlm(["train.steps=1", *overrides])
-    assert run.returncode != 0
-    assert message in run.stderr, run.stderr[-2000:]
-    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    overrides = [o.replace("TEXT_TOKENIZER", str(text_only_tokenizer)) for o in overrides]
+    cfg = _compose([*overrides, f"data.cache_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=1)
+        load_multimodal_data(cfg.data, cfg.model, is_main=True, seed=0)
+    assert message in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def vlm_reference(tmp_path_factory, vlm_runner_factory):
+    """Initial weights (a steps=0 checkpoint) and the single-process losses from them."""
+    run = vlm_runner_factory(tmp_path_factory.mktemp("vlm-reference"))
+    init = run(["train.steps=0"], name="init").check().out_dir / "checkpoints" / "step_00000000"
+    common = [f"train.init_from={init}", "train.steps=3", "train.eval_interval=0"]
+    single = run(common, name="single").check().losses()
+    return init, common, single
+
+
+@pytest.mark.dist
+def test_vlm_dp2_matches_single_process(vlm_reference, run_vlm):
+    """DP=2 (torchrun, gloo): each rank packs and encodes its half of every global batch."""
+    _, common, single = vlm_reference
+    losses = run_vlm(common, nproc=2, name="dp2").check().losses()
+    assert sorted(losses) == sorted(single)
+    for step, loss in single.items():
+        assert abs(losses[step] - loss) <= 1e-4, f"step {step}: {losses[step]} vs single-process {loss}"
+
+
+def test_alignment_phase_trains_only_the_projector(vlm_reference, run_vlm):
+    init, common, _ = vlm_reference
+    run = run_vlm([*common, "phase=vlm-align"], name="align").check()
+    assert "trainable params" in run.stderr
+    final = run.out_dir / "checkpoints" / "step_00000003"
+    components = ("foundation.", "image_encoder.", "image_projector.")
+    before, after = _tensors(init, components), _tensors(final, components)
+    assert before.keys() == after.keys() and any(k.startswith("image_projector.") for k in before)
+    for key in before:
+        if key.startswith("image_projector."):
+            continue
+        assert torch.equal(before[key], after[key]), f"{key} changed although its component is frozen"
+    changed = [k for k in before if k.startswith("image_projector.") and not torch.equal(before[k], after[k])]
+    assert changed, "the projector did not train"

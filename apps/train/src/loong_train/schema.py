@@ -70,7 +70,7 @@ def validate(cfg: Config, world_size: int) -> int:
     """Check cross-field constraints; return the number of micro-batches per step."""
     t, f = cfg.train, cfg.model.foundation
     try:
-        f.validate()
+        cfg.model.validate()  # every component (foundation, image encoder, projector, token ids)
         if cfg.model.lora is not None:
             cfg.model.lora.validate()
         cfg.optim.validate()
