@@ -111,3 +111,26 @@ def test_hf_loss_is_the_contract_loss():
     mask = mb["loss_mask"][0].bool()
     ref = -logp[mask].gather(1, mb["labels"][0][mask][:, None]).mean()
     assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_bench_data_feeds_both_stacks_the_same_images(tmp_path):
+    """The bench's JSONL (bundled photos at a fixed size, several per sample, real captions) goes
+    through the train app's multimodal path into micro-batches with the expected grids."""
+    import argparse
+
+    from vlm_throughput import compose, train_overrides, write_bench_data
+
+    from loong_train.multimodal import load_multimodal_data
+
+    jsonl = write_bench_data(tmp_path / "data", image_size=56, images_per_sample=3, num_samples=8)
+    args = argparse.Namespace(model="tiny-vlm", text_layers=2, vision_layers=2, image_size=56, num_samples=8,
+                              seq=256, samples_per_step=4, dtype="fp32", model_overrides=[])  # fmt: skip
+    cfg = compose(train_overrides(args, jsonl, tmp_path))
+    assert cfg.model.foundation.num_layers == 2 and cfg.data.multimodal.max_pixels == 56 * 56
+    data = load_multimodal_data(cfg.data, cfg.model, is_main=True, seed=0)
+    mbs = next(data.train_steps(global_batch_size=4, dp_rank=0, dp_size=1))
+    grids = torch.cat([mb["image_grid_thw"] for mb in mbs])
+    assert grids.tolist() == [[1, 4, 4]] * 12  # 4 samples x 3 images, 56 px / patch 14
+    image_tokens = sum(int((mb["tokens"] == cfg.model.image_token_id).sum()) for mb in mbs)
+    assert image_tokens == 12 * 4  # 16 patches / merge 2x2 per image
+    assert sum(mb["pixel_values"].shape[0] for mb in mbs) == 12 * 16
