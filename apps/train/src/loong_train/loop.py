@@ -172,9 +172,11 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     peak = accel.peak_flops(dtype)
     if is_main:
         logger.info(
-            "model %s (%.1fM params, %s layers) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d | "
+            "model %s (%.1fM params, %s layers%s) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d | "
             "global batch %d x seq %d, %d micro-batches/step | trainable params (rank 0): %.3fM%s",
-            f.family, n_params / 1e6, f.num_layers, accel.name, str(dtype).removeprefix("torch."), backend,
+            f.family, n_params / 1e6, f.num_layers,
+            f"; + {(cfg.model.num_parameters() - n_params) / 1e6:.2f}M image encoder + projector" if multimodal else "",
+            accel.name, str(dtype).removeprefix("torch."), backend,
             world_size, cfg.parallel.tp, cfg.parallel.pp, mpu.get_data_parallel_world_size(),
             t.global_batch_size, cfg.data.seq_length, num_microbatches, trainable / 1e6,
             f" (LoRA rank {lora.rank} on {', '.join(lora.targets)})" if lora else "",

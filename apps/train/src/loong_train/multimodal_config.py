@@ -57,8 +57,10 @@ def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str, ba
             "0 < min_pixels <= max_pixels"
         )
     if not 0 < mm.video_min_pixels <= mm.video_max_pixels:
-        errors.append(f"data.multimodal.video_min_pixels={mm.video_min_pixels} and video_max_pixels="
-                      f"{mm.video_max_pixels} need 0 < video_min_pixels <= video_max_pixels")
+        errors.append(
+            f"data.multimodal.video_min_pixels={mm.video_min_pixels} and video_max_pixels="
+            f"{mm.video_max_pixels} need 0 < video_min_pixels <= video_max_pixels"
+        )
     if mm.shuffle_buffer < 0:
         errors.append(f"data.multimodal.shuffle_buffer={mm.shuffle_buffer} must be >= 0")
     return errors
