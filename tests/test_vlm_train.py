@@ -132,15 +132,21 @@ def test_bad_multimodal_config_names_the_key(overrides, message, text_only_token
 
 
 @pytest.fixture(scope="module")
-def vlm_reference(tmp_path_factory, vlm_runner_factory):
-    """Initial weights (a steps=0 checkpoint) and the single-process losses from them."""
+def vlm_init(tmp_path_factory, vlm_runner_factory):
+    """Initial weights (a steps=0 checkpoint) and a runner for module-scoped runs."""
     run = vlm_runner_factory(tmp_path_factory.mktemp("vlm-reference"))
     init = run(["train.steps=0"], name="init").check().out_dir / "checkpoints" / "step_00000000"
-    common = [f"train.init_from={init}", "train.steps=3", "train.eval_interval=0"]
-    single = run(common, name="single").check().losses()
-    return init, common, single
+    return init, [f"train.init_from={init}", "train.steps=3", "train.eval_interval=0"], run
 
 
+@pytest.fixture(scope="module")
+def vlm_reference(vlm_init):
+    """The single-process losses from the initial weights."""
+    init, common, run = vlm_init
+    return init, common, run(common, name="single").check().losses()
+
+
+@pytest.mark.slow
 @pytest.mark.dist
 def test_vlm_dp2_matches_single_process(vlm_reference, run_vlm):
     """DP=2 (torchrun, gloo): each rank packs and encodes its half of every global batch."""
@@ -151,8 +157,8 @@ def test_vlm_dp2_matches_single_process(vlm_reference, run_vlm):
         assert abs(losses[step] - loss) <= 1e-4, f"step {step}: {losses[step]} vs single-process {loss}"
 
 
-def test_alignment_phase_trains_only_the_projector(vlm_reference, run_vlm):
-    init, common, _ = vlm_reference
+def test_alignment_phase_trains_only_the_projector(vlm_init, run_vlm):
+    init, common, _ = vlm_init
     run = run_vlm([*common, "phase=vlm-align"], name="align").check()
     assert "trainable params" in run.stderr
     final = run.out_dir / "checkpoints" / "step_00000003"
