@@ -134,9 +134,9 @@ def hf_inputs(mb: dict, image_token_id: int, video_token_id: int) -> dict:
     labels = torch.cat([torch.full_like(targets[:, :1], -100), targets[:, :-1]], dim=1)
     mm_types = (tokens == image_token_id).int() + 2 * (tokens == video_token_id).int()
     out = {"input_ids": tokens, "labels": labels, "mm_token_type_ids": mm_types}
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-        if key in mb:
-            out[key] = mb[key]
+    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if pixels in mb and mb[pixels].numel():  # packs without images / videos carry empty tensors
+            out[pixels], out[grid] = mb[pixels], mb[grid]
     return out
 
 

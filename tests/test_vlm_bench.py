@@ -87,6 +87,12 @@ def test_hf_inputs_shift_labels_and_mark_images():
     assert inputs["labels"].tolist() == [[-100, -100, -100, -100, -100, 7, 8, 9, -100]]
     assert inputs["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0, 0, 0, 0]]
     assert inputs["image_grid_thw"].tolist() == [[1, 2, 4]]
+    mb = {
+        **_packed(),
+        "pixel_values_videos": torch.zeros(0, TINY.vision.patch_dim),
+        "video_grid_thw": torch.zeros(0, 3),
+    }
+    assert "pixel_values_videos" not in hf_inputs(mb, IMG, VID)  # empty media are left out, as HF needs
 
 
 def test_step_counts_exclude_padding():
