@@ -196,3 +196,13 @@ def test_video_of_repeated_frames_equals_the_image() -> None:
     assert grid[0] == 2 and pixels.shape[0] == int(grid.prod())
     last, _ = process_video([Image.open(frames[2])] * 2, config)
     assert torch.equal(pixels[pixels.shape[0] // 2 :], last)
+
+
+def test_config_from_hf_processor_dicts() -> None:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    assert VisionProcessorConfig.from_hf(Qwen2VLImageProcessorPil().to_dict()) == VisionProcessorConfig()
+    settings = HF_SETTINGS[-1]
+    video = {"size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48}}
+    config = VisionProcessorConfig.from_hf(Qwen2VLImageProcessorPil(**settings).to_dict(), video)
+    assert config == VisionProcessorConfig(**settings, video_min_pixels=16 * 16, video_max_pixels=48 * 48)

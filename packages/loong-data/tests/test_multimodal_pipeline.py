@@ -172,6 +172,11 @@ def test_bad_media_in_a_shard_names_shard_and_key(tmp_path: Path, chat: ChatToke
     data = _dataset(shard, chat, shuffle_buffer=1, on_error="skip")
     batch = next(iter(data))
     assert batch["image_grid_thw"].shape[0] == 2 and data.num_bad == 1
+    missing = _image_sample("d", good)
+    del missing["img0.jpg"]
+    _write_shard(shard, [missing])
+    with pytest.raises(MultimodalDataError, match=rf"sample {shard}#d: no file 'img0.jpg' in the sample"):
+        list(_dataset(shard, chat).samples(0))
 
 
 def test_a_damaged_tar_names_the_shard(tmp_path: Path, chat: ChatTokenizer) -> None:

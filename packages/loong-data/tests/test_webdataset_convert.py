@@ -157,3 +157,25 @@ def test_bundled_shards_are_converted_once_and_reused(tmp_path: Path) -> None:
     assert (out / "shard-000000.tar").stat().st_mtime_ns == stamp  # reused
     bundled_multimodal_shards(tmp_path / "vlm", maxcount=200)  # other settings: converted again
     assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 2
+
+
+def test_maxsize_starts_new_shards(tmp_path: Path) -> None:
+    report = convert_to_webdataset(
+        [SAMPLE / "conversations.jsonl"], tmp_path / "out", maxsize=300_000, progress=False
+    )
+    sizes = [s.stat().st_size for s in report.shards]
+    assert len(sizes) >= 5 and all(size <= 300_000 for size in sizes) and sum(sizes[:-1]) > 4 * 250_000
+    assert (
+        report.num_samples
+        == 336
+        == sum(
+            1 for _ in wds.WebDataset([str(s) for s in report.shards], shardshuffle=False, empty_check=False)
+        )
+    )
+
+
+def test_same_input_same_bytes(tmp_path: Path) -> None:
+    path = _bad_input(tmp_path)
+    first = convert_to_webdataset([path], tmp_path / "a", progress=False)
+    second = convert_to_webdataset([path], tmp_path / "b", progress=False)
+    assert first.shards[0].read_bytes() == second.shards[0].read_bytes()

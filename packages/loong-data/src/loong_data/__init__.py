@@ -16,9 +16,16 @@ Variable-length samples packed into THD sequences (no attention across samples):
     idx = microbatches[0]
     packs = FirstFitDecreasing().pack([int(docs.lengths[i]) for i in idx], capacity=256)
     batch = collate_packed([docs[idx[j]] for j in packs[0]], capacity=256)  # + cu_seqlens, max_seqlen
+
+Vision-language conversations (WebDataset shards, images/videos, chat template): ``loong_data.multimodal``.
 """
 
-from loong_data.bundled import default_corpus, default_tokenizer
+from loong_data.bundled import (
+    default_chat_tokenizer,
+    default_corpus,
+    default_multimodal_dataset,
+    default_tokenizer,
+)
 from loong_data.collate import collate
 from loong_data.documents import DocumentDataset
 from loong_data.lengths import LogNormalLengths
@@ -54,7 +61,9 @@ __all__ = [
     "TokenizedCorpus",
     "collate",
     "collate_packed",
+    "default_chat_tokenizer",
     "default_corpus",
+    "default_multimodal_dataset",
     "default_tokenizer",
     "load_tokenizer",
     "packing_strategy",

@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder media paths are relative to (default: each input file's folder)",
     )
     convert.add_argument("--maxcount", type=int, default=1000, help="samples per shard at most")
-    convert.add_argument("--maxsize", type=int, default=1 << 30, help="bytes per shard at most")
+    convert.add_argument(
+        "--maxsize",
+        type=int,
+        default=1 << 30,
+        help="bytes per shard file at most (a larger sample gets a shard of its own)",
+    )
     convert.add_argument(
         "--on-error",
         choices=("skip", "stop"),

@@ -175,7 +175,8 @@ def convert_to_webdataset(
 ) -> ConvertReport:
     """Write the conversations of ``inputs`` (.json / .jsonl files) to ``out_dir/shard-%06d.tar``.
 
-    Media paths are relative to ``media_root`` (default: each input file's folder). Every image
+    Media paths are relative to ``media_root`` (default: each input file's folder). A shard holds at
+    most ``maxcount`` samples and ``maxsize`` bytes of tar file (one larger sample gets its own). Every image
     and video frame is decoded once to check it. A bad record (bad JSON, wrong structure, missing
     or undecodable media) is skipped and reported as ``file:line: reason`` when ``on_error`` is
     ``"skip"``; with ``"stop"`` it raises :class:`ConvertError` and nothing is written. Output goes
@@ -203,10 +204,13 @@ def convert_to_webdataset(
     tmp.mkdir()
     report = ConvertReport(out_dir=out_dir)
     try:
+        # Shards are rolled here rather than by ShardWriter, whose maxsize counts file contents
+        # without tar headers and padding; mtime is fixed so that the same input gives the same bytes.
         with wds.ShardWriter(
-            str(tmp / "shard-%06d.tar"), maxcount=maxcount, maxsize=maxsize, verbose=0
+            str(tmp / "shard-%06d.tar"), maxcount=1 << 62, maxsize=1 << 62, verbose=0, mtime=0
         ) as sink:
             bar = tqdm(desc="convert-to-webdataset", unit=" records", disable=not progress)
+            shard_count = shard_bytes = 0
             for path in paths:
                 root = Path(media_root) if media_root is not None else path.parent
                 for location, record in _records(path):
@@ -224,7 +228,15 @@ def convert_to_webdataset(
                         report.num_skipped += 1
                         continue
                     sample["__key__"] = f"{report.num_samples:08d}"
+                    size = _tar_bytes(sample)
+                    if shard_count and (
+                        shard_count >= maxcount or _tar_file_bytes(shard_bytes + size) > maxsize
+                    ):
+                        sink.next_stream()
+                        shard_count = shard_bytes = 0
                     sink.write(sample)
+                    shard_count += 1
+                    shard_bytes += size
                     report.num_samples += 1
                     report.counts[kind] = report.counts.get(kind, 0) + 1
             bar.close()
@@ -238,6 +250,16 @@ def convert_to_webdataset(
         raise
     report.shards = [out_dir / s.name for s in shards]
     return report
+
+
+def _tar_bytes(sample: dict) -> int:
+    """Bytes the sample's members take in a tar: a 512-byte header each, contents padded to 512."""
+    return sum(512 + -(-len(v) // 512) * 512 for k, v in sample.items() if not k.startswith("__"))
+
+
+def _tar_file_bytes(member_bytes: int) -> int:
+    """Size of a tar file with these members: two zero blocks at the end, padded to 10240-byte records."""
+    return -(-(member_bytes + 1024) // 10240) * 10240
 
 
 def _write_manifest(

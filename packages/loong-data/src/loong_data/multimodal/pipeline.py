@@ -31,7 +31,7 @@ import torch
 from PIL import Image
 
 from loong_data.log import logger
-from loong_data.multimodal.chat import ChatTokenizer, ConversationError, load_chat_tokenizer
+from loong_data.multimodal.chat import ChatTokenizer, ConversationError, _check_messages, load_chat_tokenizer
 from loong_data.multimodal.convert import MANIFEST
 from loong_data.multimodal.processor import VisionProcessorConfig, process_image, process_video
 from loong_data.packed_collate import collate_packed
@@ -101,7 +101,9 @@ def _tar_samples(shard: Path) -> Iterator[dict]:
     yield from dataset
 
 
-def _decode_media(raw: dict, name: str) -> Image.Image:
+def _decode_media(raw: dict, name: object) -> Image.Image:
+    if not isinstance(name, str):
+        raise MultimodalDataError(f"a media reference must be a member name, got {name!r}")
     if name not in raw:
         raise MultimodalDataError(f"no file {name!r} in the sample")
     try:
@@ -151,6 +153,7 @@ def encode_sample(
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list):
             raise MultimodalDataError("'json' has no 'messages' list")
+        _check_messages(messages)
         media = _media_of(raw, messages)
         grids = [
             config.image_grid(frames[0].height, frames[0].width)

@@ -10,7 +10,7 @@ flattened as ``(channel, temporal, row, column)``. An image is one frame repeate
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +59,26 @@ class VisionProcessorConfig:
             raise ValueError(f"VisionProcessorConfig: min pixels above max pixels in {self}")
         if len(self.image_mean) != 3 or len(self.image_std) != 3:
             raise ValueError("VisionProcessorConfig.image_mean / image_std must have 3 values (RGB)")
+
+    @classmethod
+    def from_hf(cls, config: Mapping, video_config: Mapping | None = None) -> "VisionProcessorConfig":
+        """From the dict of an HF Qwen2-VL / Qwen2.5-VL image processor (``preprocessor_config.json``
+        or ``processor.to_dict()``) and optionally of its video processor; missing keys keep our defaults."""
+        kwargs: dict = {
+            k: int(config[k]) for k in ("patch_size", "temporal_patch_size", "merge_size") if k in config
+        }
+        for prefix, source in (("", config), ("video_", video_config or {})):
+            size = source.get("size") or {}
+            low = source.get("min_pixels", size.get("shortest_edge"))
+            high = source.get("max_pixels", size.get("longest_edge"))
+            if low is not None:
+                kwargs[f"{prefix}min_pixels"] = int(low)
+            if high is not None:
+                kwargs[f"{prefix}max_pixels"] = int(high)
+        for key in ("image_mean", "image_std"):
+            if config.get(key) is not None:
+                kwargs[key] = tuple(float(x) for x in config[key])
+        return cls(**kwargs)
 
     @property
     def factor(self) -> int:
