@@ -1,8 +1,11 @@
 """VLM composition: configs (defaults list, backbone swap, overrides, parameter counts of the zoo
 shapes), multimodal RoPE positions against HF, and the tiny VLM's forward / backward / freeze."""
 
+import functools
+
 import pytest
 import torch
+from vlm_testlib import IMG, VE, VID, VS, packed_batch, vision_tokens
 
 from loong_models import (
     ModelConfig,
@@ -17,7 +20,6 @@ from loong_models import (
 
 # Released checkpoints' parameter counts (vision tower included).
 RELEASED_VLM = {"qwen2.5-vl-3b": 3_754_622_976, "qwen2.5-vl-7b": 8_292_166_656}
-IMG, VID, VS, VE = 8196, 8197, 8194, 8195  # tiny-vlm's <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>
 
 
 @pytest.mark.parametrize("name, count", RELEASED_VLM.items())
@@ -30,7 +32,12 @@ def test_vlm_parameter_counts_match_released_models(name, count):
 
 def test_vlm_is_a_defaults_list_of_three_components():
     cfg = load_model_config("qwen2.5-vl-7b")
-    assert cfg.image_encoder.type == "qwen2.5-vit" and cfg.image_encoder.fullatt_block_indexes == [7, 15, 23, 31]
+    assert cfg.image_encoder.type == "qwen2.5-vit" and cfg.image_encoder.fullatt_block_indexes == [
+        7,
+        15,
+        23,
+        31,
+    ]
     assert cfg.image_projector.norm == "RMSNorm" and cfg.foundation.family == "qwen2"
     assert cfg.foundation.mrope_section == [16, 24, 24] and cfg.image_token_id == 151655
     custom = load_model_config("siglip-qwen3-1.7b")
@@ -46,13 +53,17 @@ def test_one_line_backbone_swap_and_component_overrides():
     assert cfg.image_encoder.freeze and cfg.image_encoder.recompute == "full"
     assert cfg.image_encoder.tensor_model_parallel_size == 1 and not cfg.foundation.freeze
     assert cfg.num_parameters() == load_model_config("qwen3-8b").foundation.num_parameters() + (
-        cfg.image_encoder.num_parameters() + cfg.image_projector.num_parameters(1280, 2, 4096))
+        cfg.image_encoder.num_parameters() + cfg.image_projector.num_parameters(1280, 2, 4096)
+    )
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model/foundation=qwen3-0.6b"], r"mrope_section=\[8, 12, 12\] must be 3 numbers summing to head_dim / 2 = 64"),
+        (
+            ["model/foundation=qwen3-0.6b"],
+            r"mrope_section=\[8, 12, 12\] must be 3 numbers summing to head_dim / 2 = 64",
+        ),
         (["image_encoder.type=clip"], "image_encoder.type='clip' is unknown; allowed: qwen2.5-vit, siglip"),
         (["image_encoder.recompute=some"], "image_encoder.recompute='some'; allowed"),
         (["image_token_id=9000"], "image_token_id=9000 is outside the vocabulary"),
@@ -65,18 +76,23 @@ def test_bad_vlm_configs_name_the_key(overrides, message):
         load_model_config("tiny-vlm", overrides)
 
 
-def _hf_rope_index(doc: list[int], images, videos, seconds):
+@functools.cache
+def _hf_vlm():
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=8200, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        text_config=dict(vocab_size=8198, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
                            tokens_per_second=2),
         image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE,
     )  # fmt: skip
-    model = Qwen2_5_VLModel(cfg)
+    return Qwen2_5_VLModel(cfg)
+
+
+def _hf_rope_index(doc: list[int], images, videos, seconds):
+    model = _hf_vlm()
     ids = torch.tensor([doc])
     types = (ids == IMG).int() + 2 * (ids == VID).int()
     pos, _ = model.get_rope_index(ids, types, image_grid_thw=images, video_grid_thw=videos,
@@ -84,17 +100,12 @@ def _hf_rope_index(doc: list[int], images, videos, seconds):
     return pos
 
 
-def _vision(kind: int, grid) -> list[int]:
-    t, h, w = grid
-    return [VS] + [kind] * (t * h * w // 4) + [VE]
-
-
 def test_mrope_positions_match_hf_get_rope_index_per_packed_document():
     docs = [  # (tokens, image grids, video grids, seconds per temporal grid)
-        ([5, 6] + _vision(IMG, (1, 4, 6)) + [7, 8, 9] + _vision(VID, (3, 4, 4)) + [10],
+        ([5, 6] + vision_tokens(IMG, (1, 4, 6)) + [7, 8, 9] + vision_tokens(VID, (3, 4, 4)) + [10],
          [[1, 4, 6]], [[3, 4, 4]], [0.5]),
         ([11, 12, 13, 14, 15], None, None, None),
-        (_vision(IMG, (1, 2, 8)) + _vision(IMG, (1, 6, 2)) + [3] + _vision(VID, (2, 2, 2)) + [4, 4],
+        (vision_tokens(IMG, (1, 2, 8)) + vision_tokens(IMG, (1, 6, 2)) + [3] + vision_tokens(VID, (2, 2, 2)) + [4, 4],
          [[1, 2, 8], [1, 6, 2]], [[2, 2, 2]], [1.5]),
     ]  # fmt: skip
     tokens = torch.tensor([sum((d[0] for d in docs), [])])
@@ -115,9 +126,11 @@ def test_mrope_positions_match_hf_get_rope_index_per_packed_document():
 
 
 def test_mrope_positions_reject_a_mismatch():
-    tokens = torch.tensor([[1] + _vision(IMG, (1, 4, 4))])
+    tokens = torch.tensor([[1] + vision_tokens(IMG, (1, 4, 4))])
     with pytest.raises(ValueError, match="more image placeholder tokens than image_grid_thw rows"):
-        mrope_positions(tokens, VisionTokenIds(IMG, VID), spatial_merge_size=2, image_grid_thw=torch.zeros(0, 3))
+        mrope_positions(
+            tokens, VisionTokenIds(IMG, VID), spatial_merge_size=2, image_grid_thw=torch.zeros(0, 3)
+        )
     with pytest.raises(ValueError, match="needs 8 placeholder tokens, found a run of 4"):
         mrope_positions(tokens, VisionTokenIds(IMG, VID), spatial_merge_size=2,
                         image_grid_thw=torch.tensor([[2, 4, 4]]))  # fmt: skip
@@ -131,23 +144,6 @@ def tiny_vlm(overrides=()) -> tuple[ModelConfig, OmniCombinationModel]:
     config = build_transformer_config(cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True,
                                       calculate_per_token_loss=True)  # fmt: skip
     return cfg, build_model(cfg, config, device_type="cpu")
-
-
-def packed_batch(seed: int = 0):
-    """Two documents: text + image + text + video clip + text, and plain text."""
-    g = torch.Generator().manual_seed(seed)
-    image, video = (1, 4, 6), (2, 4, 4)
-    doc1 = [5, 6] + _vision(IMG, image) + [7, 8] + _vision(VID, video) + [9]
-    doc2 = [3, 4, 5, 6, 7]
-    tokens = torch.tensor([doc1 + doc2])
-    cu = torch.tensor([0, len(doc1), len(doc1) + len(doc2)], dtype=torch.int32)
-    return dict(
-        input_ids=tokens, position_ids=None, attention_mask=None,
-        labels=torch.randint(0, 8192, tokens.shape, generator=g),
-        packed_seq_params=packed_seq_params(cu, len(doc1)),
-        pixel_values=torch.randn(24, 1176, generator=g), image_grid_thw=torch.tensor([image]),
-        pixel_values_videos=torch.randn(32, 1176, generator=g), video_grid_thw=torch.tensor([video]),
-    )  # fmt: skip
 
 
 def test_tiny_vlm_builds_what_the_config_counts(megatron_cpu):
@@ -192,15 +188,30 @@ def test_freeze_leaves_encoder_grads_none(megatron_cpu):
     assert all(p.grad is not None for p in model.foundation.parameters())
 
 
-def test_encoder_recompute_gives_the_same_gradients(megatron_cpu):
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_encoder_recompute_gives_the_same_gradients(megatron_cpu, recompute):
     grads = []
-    for extra in ([], ["image_encoder.recompute=full"]):
+    for extra in ([], [f"image_encoder.recompute={recompute}"]):
         torch.manual_seed(0)
         _, model = tiny_vlm(extra)
-        assert (model.image_encoder.config.recompute_granularity == "full") == bool(extra)
+        assert model.image_encoder.config.recompute_granularity == (recompute if extra else None)
+        assert model.foundation.config.recompute_granularity is None  # the component's own setting
         model(**packed_batch()).sum().backward()
-        grads.append(model.image_encoder.patch_embed.proj.weight.grad)
-    torch.testing.assert_close(grads[0], grads[1])
+        grads.append({n: p.grad for n, p in model.image_encoder.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_text_only_pack_with_empty_media_keys(megatron_cpu):
+    _, model = tiny_vlm()
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    empty = dict(pixel_values=torch.zeros(0, 1176), image_grid_thw=torch.zeros(0, 3, dtype=torch.long),
+                 pixel_values_videos=torch.zeros(0, 1176), video_grid_thw=torch.zeros(0, 3, dtype=torch.long))  # fmt: skip
+    with torch.no_grad():
+        loss = model(tokens, None, None, labels=tokens, **empty)
+        plain = model(tokens, None, None, labels=tokens)  # no media keys at all
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss, plain)
 
 
 def test_placeholder_count_mismatch_is_reported(megatron_cpu):
@@ -210,3 +221,13 @@ def test_placeholder_count_mismatch_is_reported(megatron_cpu):
     batch["pixel_values"] = batch["pixel_values"][:16]
     with pytest.raises(ValueError, match="image"):
         model(**batch)
+
+
+def test_sharded_state_dict_covers_every_component(megatron_cpu):
+    """megatron's distributed checkpointing (loong-ckpt training.py) reads sharded_state_dict()."""
+    _, model = tiny_vlm()
+    keys = {k for k in model.sharded_state_dict() if not k.endswith("_extra_state")}
+    params = {n for n, _ in model.named_parameters()}
+    assert params <= keys, sorted(params - keys)[:5]
+    assert any(k.startswith("image_encoder.decoder.layers.") for k in keys)
+    assert any(k.startswith("image_projector.mlp.") for k in keys)

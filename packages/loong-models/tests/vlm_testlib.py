@@ -5,22 +5,56 @@ from __future__ import annotations
 
 import torch
 
-from loong_models import FoundationConfig, ImageEncoderConfig, ImageProjectorConfig, build_transformer_config
+from loong_models import (
+    FoundationConfig,
+    ImageEncoderConfig,
+    ImageProjectorConfig,
+    build_transformer_config,
+    packed_seq_params,
+)
 from loong_models.image_encoder import ImageEncoder, build_encoder_transformer_config
 from loong_models.image_projector import ImageProjector, build_projector_transformer_config
 
 
-def build_vision(enc: ImageEncoderConfig, proj: ImageProjectorConfig | None = None, out_size: int = 48):
-    """Encoder (+ projector) in fp32 on the CPU with the local backend (needs a megatron world)."""
-    base = build_transformer_config(FoundationConfig(), params_dtype=torch.float32, use_cpu_initialization=True)
-    econf = build_encoder_transformer_config(enc, base, tensor_model_parallel_size=1, backend="local")
-    encoder = ImageEncoder(enc, econf, layer_backend="local")
+def build_vision(
+    enc: ImageEncoderConfig,
+    proj: ImageProjectorConfig | None = None,
+    out_size: int = 48,
+    *,
+    backend: str = "local",
+    dtype: torch.dtype = torch.float32,
+):
+    """Encoder (+ projector), fp32 on the CPU with the local backend by default (needs a megatron
+    world)."""
+    base = build_transformer_config(
+        FoundationConfig(),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=backend == "local",
+    )
+    econf = build_encoder_transformer_config(enc, base, tensor_model_parallel_size=1, backend=backend)
+    encoder = ImageEncoder(enc, econf, layer_backend=backend)
     if proj is None:
         return encoder, None
     m = enc.spatial_merge_size
     pconf = build_projector_transformer_config(proj, base, encoder_hidden=enc.hidden_size, merge=m,
-                                               out_size=out_size, tensor_model_parallel_size=1, backend="local")  # fmt: skip
-    return encoder, ImageProjector(proj, pconf, encoder_hidden=enc.hidden_size, merge=m, layer_backend="local")
+                                               out_size=out_size, tensor_model_parallel_size=1, backend=backend)  # fmt: skip
+    return encoder, ImageProjector(
+        proj, pconf, encoder_hidden=enc.hidden_size, merge=m, layer_backend=backend
+    )
+
+
+def te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Local-spec names -> TE-spec names: TE fuses the pre-attention / pre-MLP norms into the
+    following linear (``layer_norm_weight`` / ``layer_norm_bias``)."""
+    out = {}
+    for name, value in state.items():
+        for local, fused in (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                             ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")):  # fmt: skip
+            if local in name:
+                name = name.replace(local, fused)
+        out[name] = value
+    return out
 
 
 def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
@@ -84,3 +118,33 @@ def image_to_patches(img: torch.Tensor, patch: int, merge: int) -> torch.Tensor:
     gh, gw = h // patch, w // patch
     x = img.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
     return x.permute(1, 4, 2, 5, 0, 3, 6).reshape(gh * gw, c * patch * patch)
+
+
+IMG, VID, VS, VE = (
+    8196,
+    8197,
+    8194,
+    8195,
+)  # tiny-vlm's <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>
+
+
+def vision_tokens(kind: int, grid) -> list[int]:
+    t, h, w = grid
+    return [VS] + [kind] * (t * h * w // 4) + [VE]
+
+
+def packed_batch(seed: int = 0):
+    """Two documents: text + image + text + video clip + text, and plain text."""
+    g = torch.Generator().manual_seed(seed)
+    image, video = (1, 4, 6), (2, 4, 4)
+    doc1 = [5, 6] + vision_tokens(IMG, image) + [7, 8] + vision_tokens(VID, video) + [9]
+    doc2 = [3, 4, 5, 6, 7]
+    tokens = torch.tensor([doc1 + doc2])
+    cu = torch.tensor([0, len(doc1), len(doc1) + len(doc2)], dtype=torch.int32)
+    return dict(
+        input_ids=tokens, position_ids=None, attention_mask=None,
+        labels=torch.randint(0, 8192, tokens.shape, generator=g),
+        packed_seq_params=packed_seq_params(cu, len(doc1)),
+        pixel_values=torch.randn(24, 1176, generator=g), image_grid_thw=torch.tensor([image]),
+        pixel_values_videos=torch.randn(32, 1176, generator=g), video_grid_thw=torch.tensor([video]),
+    )  # fmt: skip

@@ -31,7 +31,7 @@ def build_projector_transformer_config(
         num_layers=1,
         hidden_size=out_size,
         ffn_hidden_size=cfg.ffn_size(encoder_hidden, merge),
-        num_attention_heads=1,
+        num_attention_heads=tensor_model_parallel_size,  # unused by the MLP; megatron checks divisibility
         gated_linear_unit=False,
         activation_func=ACTIVATIONS[cfg.activation],
         add_bias_linear=cfg.bias,

@@ -99,6 +99,8 @@ class OmniCombinationModel(MegatronModule):
         for token_id, pixels, grid, kind in media:
             mask = input_ids[0] == token_id if token_id is not None else None
             count = int(mask.sum()) if mask is not None else 0
+            if pixels is not None and pixels.shape[0] == 0:  # loong-data always sends the keys
+                pixels = None
             if pixels is None:
                 if count:
                     raise ValueError(f"{count} {kind} placeholder tokens but no pixel values for them")
