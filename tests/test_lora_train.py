@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import env_for_train
 
 from loong_xpu.testing import megatron_cpu  # noqa: F401  (fixture: a one-process megatron world)
 
@@ -83,16 +86,13 @@ def test_resume_needs_the_same_base(base_and_lora):
     assert f"was trained on {base_ckpt.absolute()}" in other.stderr
 
 
-def test_merged_export_equals_the_model_with_adapters(base_and_lora, megatron_cpu, tmp_path):  # noqa: F811
-    import transformers
-
-    from loong_ckpt.cli import main as convert_main
+def _model_with_adapters(ckpt: Path, load_base):
+    """The Loong model of a LoRA checkpoint, in this process: base weights by ``load_base(model, f)``,
+    then the adapters."""
     from loong_ckpt.hf_config import foundation_from_dict
     from loong_ckpt.training import load_checkpoint
     from loong_models import LoraConfig, ModelConfig, build_model, build_transformer_config
 
-    _, base_ckpt, lora = base_and_lora
-    ckpt = lora.out_dir / "checkpoints" / f"step_{STEPS:08d}"
     meta = json.loads((ckpt / "loong.json").read_text())
     f = foundation_from_dict(meta["foundation"])
     lcfg = LoraConfig(**{k: v for k, v in meta["lora"].items() if k != "base"})
@@ -100,24 +100,64 @@ def test_merged_export_equals_the_model_with_adapters(base_and_lora, megatron_cp
     model = build_model(
         ModelConfig(foundation=f, layer_backend="local", lora=lcfg), config, device_type="cpu"
     )
-    load_checkpoint(base_ckpt, [model], part="frozen")
+    load_base(model, f)
     load_checkpoint(ckpt, [model])  # the adapters
     assert any(torch.count_nonzero(p) for n, p in model.named_parameters() if n.endswith("lora_b"))
-    model.eval()
+    return model.eval(), f
+
+
+def _assert_same_logits(model, f, hf_dir: Path) -> None:
+    import transformers
 
     tokens = torch.randint(0, f.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(tokens, torch.arange(24).expand(2, -1), None)[..., : f.vocab_size]
-    exported = lora.out_dir / "hf" / f"step_{STEPS:08d}"
-    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
-    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         theirs = hf(tokens).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def test_merged_export_equals_the_model_with_adapters(base_and_lora, megatron_cpu, tmp_path):  # noqa: F811
+    from loong_ckpt.cli import main as convert_main
+    from loong_ckpt.training import load_checkpoint
+
+    _, base_ckpt, lora = base_and_lora
+    ckpt = lora.out_dir / "checkpoints" / f"step_{STEPS:08d}"
+    model, f = _model_with_adapters(ckpt, lambda m, _: load_checkpoint(base_ckpt, [m], part="frozen"))
+    exported = lora.out_dir / "hf" / f"step_{STEPS:08d}"
+    _assert_same_logits(model, f, exported)
 
     # loong-convert on the adapters-only checkpoint writes the same merged weights
     assert convert_main(["mcore-to-hf", str(ckpt), str(tmp_path / "cli"), "--no-progress"]) == 0
     a, b = _hf_tensors(exported), _hf_tensors(tmp_path / "cli")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_lora_on_an_hf_base_exports_merged_weights(runner_factory, tmp_path_factory, megatron_cpu):  # noqa: F811
+    from hf_models import make_hf_model  # packages/loong-ckpt/tests (root pytest pythonpath)
+
+    from loong_ckpt.online import load_hf_weights
+
+    base = tmp_path_factory.mktemp("lora-hf")
+    hf = make_hf_model(base / "tiny-qwen2", "qwen2", vocab=8192)  # Q/K/V biases, untied head
+    # for its model YAML; in a subprocess: this one already holds a megatron world
+    subprocess.run([sys.executable, "-m", "loong_ckpt.cli", "hf-to-mcore", str(hf), str(base / "conv"), "--no-progress"],
+                   check=True, env=env_for_train())  # fmt: skip
+    run = runner_factory(base)
+    out = run([f"hydra.searchpath=[file://{base / 'conv'}/configs]", "model=tiny-qwen2", *LORA, "train.steps=3",
+               f"train.init_from={hf}", "train.export_hf=true"], name="lora-hf").check()  # fmt: skip
+    ckpt = out.out_dir / "checkpoints" / "step_00000003"
+    model, f = _model_with_adapters(ckpt, lambda m, f: load_hf_weights(hf, [m], f))
+    exported = out.out_dir / "hf" / "step_00000003"
+    _assert_same_logits(model, f, exported)
+    assert json.loads((exported / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
+    source, merged = _hf_tensors(hf), _hf_tensors(exported)
+    for k in source:  # only the adapted projections moved
+        adapted = any(
+            p in k for p in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "mlp.")
+        )
+        assert torch.equal(source[k], merged[k]) != adapted, k
 
 
 @pytest.mark.slow
@@ -130,11 +170,19 @@ def test_lora_needs_init_from_and_align_needs_something_to_train(run_train):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]],
-                         ids=["tp2", "tp2-sp"])  # fmt: skip
-def test_lora_at_tp2_equals_tp1(base_and_lora, layout):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tp=2"],
+        ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ["parallel.distributed_optimizer=true"],
+        ["parallel.pp=2"],
+    ],
+    ids=["tp2", "tp2-sp", "dp2-distopt", "pp2"],
+)
+def test_lora_at_two_processes_equals_one(base_and_lora, layout):
     run, base_ckpt, lora = base_and_lora
-    name = "-".join(x.split(".")[-1] for x in layout)
+    name = "-".join(x.split(".")[-1].split("=")[0] for x in layout)  # no '=' in a Hydra value
     two = run([*LORA, f"train.steps={STEPS}", f"train.init_from={base_ckpt}", "train.export_hf=true", *layout],
               nproc=2, name=name).check()  # fmt: skip
     want, got = lora.losses(), two.losses()

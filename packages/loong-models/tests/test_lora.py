@@ -108,6 +108,17 @@ def test_config_errors_name_the_key(megatron_cpu):
         build(LoraConfig(rank=0))
 
 
+def test_component_absent_from_this_pipeline_stage_is_skipped(megatron_cpu):
+    from loong_models.lora import apply_lora
+
+    model = build(None)
+    n = apply_lora(
+        {"foundation": model, "image_encoder": None}, LoraConfig(components=["foundation", "image_encoder"])
+    )
+    assert n == 2 * 4
+    assert apply_lora({"foundation": None}, LoraConfig()) == 0  # e.g. an encoder-only stage
+
+
 def test_dropout_is_training_only(megatron_cpu):
     model = build(LoraConfig(rank=4, dropout=0.5))
     module = model.decoder.layers[0].mlp.linear_fc2

@@ -22,15 +22,17 @@ from loong_data import (
     packing_strategy,
     prepare_text_dataset,
 )
+from loong_data.bundled import default_chat_dataset
+from loong_data.chat_text import ChatTextDataset
 from loong_train.schema import DataConfig
 from loong_train.thd import PackedDocuments, TrainBalancer
 
 
 @dataclass
 class TextData:
-    tokenizer: TextTokenizer
-    train: PackedTextDataset | PackedDocuments
-    val: PackedTextDataset | PackedDocuments
+    tokenizer: TextTokenizer  # or a ChatTokenizer (data.kind=chat): both have vocab_size and path
+    train: PackedTextDataset | PackedDocuments | ChatTextDataset
+    val: PackedTextDataset | PackedDocuments | ChatTextDataset
 
 
 def _packed_documents(cfg: DataConfig, split: TokenFile, tokenizer: TextTokenizer, seed: int) -> PackedDocuments:
@@ -42,6 +44,8 @@ def _packed_documents(cfg: DataConfig, split: TokenFile, tokenizer: TextTokenize
 
 def load_text_data(cfg: DataConfig, *, is_main: bool, seed: int) -> TextData:
     """Tokenise once (main rank; cached across runs), then open the same files on every rank."""
+    if cfg.kind == "chat":
+        return _chat_data(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer or default_tokenizer())
     sources = [Path(s) for s in cfg.sources] or [default_corpus()]
     kwargs = dict(val_fraction=cfg.val_fraction, seed=seed)
@@ -59,6 +63,17 @@ def load_text_data(cfg: DataConfig, *, is_main: bool, seed: int) -> TextData:
         PackedTextDataset(corpus.train, cfg.seq_length),
         PackedTextDataset(corpus.val, cfg.seq_length),
     )
+
+
+def _chat_data(cfg: DataConfig) -> TextData:
+    """Conversations through the chat template (every rank tokenises them: seconds for thousands)."""
+    from loong_data.multimodal import load_chat_tokenizer
+
+    tokenizer = load_chat_tokenizer(cfg.tokenizer)
+    sources = cfg.sources or [default_chat_dataset()]
+    split = dict(val_fraction=cfg.val_fraction)
+    return TextData(tokenizer, ChatTextDataset(sources, tokenizer, cfg.seq_length, split="train", **split),
+                    ChatTextDataset(sources, tokenizer, cfg.seq_length, split="val", **split))  # fmt: skip
 
 
 def microbatches(dataset: PackedTextDataset, sampler_step: list[list[int]]) -> list[dict]:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("text", "multimodal")
-
-
 @dataclass
 class MultimodalDataConfig:
     # A folder of WebDataset .tar shards (`loong-data convert-to-webdataset` writes them) ...
@@ -31,8 +28,6 @@ class MultimodalDataConfig:
 def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str, balance: bool) -> list[str]:
     """Problems with the multimodal data keys, each naming the key (empty when fine)."""
     errors = []
-    if kind not in KINDS:
-        errors.append(f"data.kind={kind!r}; allowed: {', '.join(KINDS)}")
     if kind != "multimodal":
         return errors
     if mm.shards and mm.jsonl:

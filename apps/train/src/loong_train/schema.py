@@ -13,9 +13,15 @@ from loong_train.packing_config import BalanceConfig, ThdConfig, validate_packin
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
+DATA_KINDS = ("text", "chat", "multimodal")
+
+
 @dataclass
 class DataConfig:
-    kind: str = "text"  # text | multimodal (images + conversations: data.multimodal.*)
+    # text: plain text corpora (pre-training); chat: JSONL conversations ({"messages": [...]}) through
+    # a chat template, loss on the assistant's tokens only (SFT); sources [] = the bundled Shakespeare QA;
+    # multimodal: conversations with images / videos (data.multimodal.*, multimodal.py)
+    kind: str = "text"
     # .txt files / folders of .txt / .jsonl ({"text": ...}); empty = the bundled Shakespeare corpus
     sources: list[str] = field(default_factory=list)
     tokenizer: str | None = None  # tokenizer.json or an HF folder; None = the bundled BPE
@@ -102,6 +108,10 @@ def validate(cfg: Config, world_size: int) -> int:
             f"x data-parallel size = {t.micro_batch_size} x {dp} = {per_step}"
         )
     d = cfg.data
+    if d.kind not in DATA_KINDS:
+        raise ConfigError(f"data.kind={d.kind!r}; allowed: {', '.join(DATA_KINDS)}")
+    if d.kind == "chat" and d.packing != "fixed":
+        raise ConfigError("data.kind=chat trains one conversation per data.seq_length row: use data.packing=fixed")
     for error in validate_packing(d.packing, d.thd, d.balance, seq_length=d.seq_length, tp=cfg.parallel.tp,
                                   sequence_parallel=cfg.parallel.sequence_parallel):
         raise ConfigError(error)

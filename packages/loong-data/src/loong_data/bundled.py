@@ -8,6 +8,7 @@ SHAKESPEARE_DIR = _ROOT / "corpus" / "shakespeare"
 SHAKESPEARE_TOKENIZER = _ROOT / "tokenizers" / "shakespeare-bpe-8k" / "tokenizer.json"
 CHAT_TOKENIZER_DIR = _ROOT / "tokenizers" / "shakespeare-bpe-8k-chat"
 VLM_SAMPLE_DIR = _ROOT / "corpus" / "vlm_sample"
+SHAKESPEARE_CHAT = _ROOT / "corpus" / "shakespeare_chat" / "qa.jsonl"
 
 
 def default_corpus() -> Path:
@@ -29,3 +30,9 @@ def default_multimodal_dataset() -> Path:
     """Folder of the bundled multimodal sample: ``conversations.jsonl`` + the images / video frames it
     references (scikit-image, scikit-learn digits, Shakespeare; see ATTRIBUTION.md)."""
     return VLM_SAMPLE_DIR
+
+
+def default_chat_dataset() -> Path:
+    """Text chat set for SFT: 3290 question/answer conversations about the bundled Shakespeare
+    (which work has a line, which line follows), built by ``loong_data.tools.build_shakespeare_chat``."""
+    return SHAKESPEARE_CHAT

@@ -85,13 +85,14 @@ class _LoraMixin:
     lora_dropout: float
     lora_glu: bool  # lora_b's rows are [gate; up] halves (SwiGLU fc1): checkpointed like the weight
     lora_sp: bool  # sequence parallel: the adapter input is this rank's sequence slice
+    lora_tp_group: object  # the base layer's TP group (a VLM encoder may have its own TP size)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out, bias = super().forward(x, *args, **kwargs)
         return out + self.lora_delta(x), bias
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
-        group = mpu.get_tensor_model_parallel_group()
+        group = self.lora_tp_group
         x = self._lora_input_dropout(x)
         h = F.linear(x, self.lora_a)
         if self.lora_mode == "column":
@@ -119,7 +120,7 @@ class _LoraMixin:
         axis = {"lora_b": 0} if self.lora_mode == "column" else {"lora_a": 1}
         adapters = make_sharded_tensors_for_checkpoint(
             {"lora_a": self.lora_a, "lora_b": self.lora_b}, prefix, axis, sharded_offsets,
-            tp_group=mpu.get_tensor_model_parallel_group(), dp_cp_group=metadata["dp_cp_group"],
+            tp_group=self.lora_tp_group, dp_cp_group=metadata["dp_cp_group"],
         )  # fmt: skip
         if self.lora_glu:
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
@@ -127,7 +128,7 @@ class _LoraMixin:
             key = f"{prefix}lora_b"
             adapters[key] = apply_swiglu_sharded_factory(
                 adapters[key], sharded_offsets, metadata.get("singleton_local_shards", False),
-                tp_group=mpu.get_tensor_model_parallel_group(), dp_group=metadata["dp_cp_group"],
+                tp_group=self.lora_tp_group, dp_group=metadata["dp_cp_group"],
             )  # fmt: skip
         sd.update(adapters)
         return sd
@@ -188,24 +189,28 @@ def _iter_targets(model: torch.nn.Module, patterns: list[str]) -> Iterator[tuple
             yield path, module
 
 
-def apply_lora(components: dict[str, torch.nn.Module], cfg: LoraConfig, *, prefix: str = "model.lora") -> int:
+def apply_lora(
+    components: dict[str, torch.nn.Module | None], cfg: LoraConfig, *, prefix: str = "model.lora"
+) -> int:
     """Freeze the base weights of ``components`` named in ``cfg.components`` and add adapters to
     their linears matching ``cfg.targets``. Returns the number of adapted linears.
 
-    ``components`` maps component names (``foundation``, ``image_encoder``, ...) to this rank's
-    module of each. Adapter initialisation depends only on ``torch.initial_seed()``, the
+    ``components`` maps the model's component names (``foundation``, ``image_encoder``, ...) to
+    this rank's module of each, None for a component that is not on this pipeline stage.
+    Adapter initialisation depends only on ``torch.initial_seed()``, the
     component, the global layer number and the module's path in the layer, so every TP / PP
     layout starts from the same adapters."""
     cfg.validate(prefix)
     table = _supported()
-    tp_size = mpu.get_tensor_model_parallel_world_size()
-    tp_rank = mpu.get_tensor_model_parallel_rank()
-    count = 0
+    count, present = 0, False
     for comp in cfg.components:
         if comp not in components:
             raise LoraError(f"{prefix}.components: {comp!r} is not a component of this model "
                             f"(it has: {', '.join(components)})")  # fmt: skip
         model = components[comp]
+        if model is None:
+            continue
+        present = True
         for p in model.parameters():
             p.requires_grad_(False)
         for path, module in list(_iter_targets(model, cfg.targets)):
@@ -223,20 +228,28 @@ def apply_lora(components: dict[str, torch.nn.Module], cfg: LoraConfig, *, prefi
             if where is None:
                 raise LoraError(f"{prefix}.targets: {comp}.{path} is not inside a transformer layer; "
                                 "LoRA adapts the linears of transformer layers only")  # fmt: skip
-            _convert(module, *entry, cfg, key=f"{comp}/{where[0]}/{where[1]}",
-                     tp_size=tp_size, tp_rank=tp_rank, glu=path.endswith("linear_fc1"))  # fmt: skip
+            _convert(
+                module, *entry, cfg, key=f"{comp}/{where[0]}/{where[1]}", glu=path.endswith("linear_fc1")
+            )
             count += 1
-    if count == 0:
+    if present and count == 0:
         raise LoraError(f"{prefix}.targets={cfg.targets} match no linear layer in {cfg.components}")
     return count
 
 
-def _convert(module, mode: str, mixin: type, cfg: LoraConfig, *, key: str, tp_size: int, tp_rank: int,
-             glu: bool) -> None:  # fmt: skip
+def _tp_group(module):
+    """The TP group the base layer splits over: its own (local: ``tp_group``, TE: ``_tp_group``)."""
+    group = getattr(module, "tp_group", None) or getattr(module, "_tp_group", None)
+    return group if group is not None else mpu.get_tensor_model_parallel_group()
+
+
+def _convert(module, mode: str, mixin: type, cfg: LoraConfig, *, key: str, glu: bool) -> None:
     if getattr(module, "gather_output", False):
         raise LoraError(f"LoRA on {key}: column-parallel linears with gather_output are not supported")
     if getattr(module, "is_expert", False):
         raise LoraError(f"LoRA on {key}: expert (MoE) linears are not supported")
+    group = _tp_group(module)
+    tp_size, tp_rank = group.size(), group.rank()
     weight = module.weight
     out_local, in_local = weight.shape
     in_full = in_local * tp_size if mode == "row" else in_local
@@ -261,6 +274,7 @@ def _convert(module, mode: str, mixin: type, cfg: LoraConfig, *, key: str, tp_si
     module.lora_mode, module.lora_scale, module.lora_dropout = mode, cfg.scale, cfg.dropout
     module.lora_glu = glu and bool(module.config.gated_linear_unit)
     module.lora_sp = sp
+    module.lora_tp_group = group
     if mixin is _LoraLayerNormMixin:
         module.return_layernorm_output = True
         module.return_layernorm_output_gathered = False
