@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+
 @dataclass
 class MultimodalDataConfig:
     # A folder of WebDataset .tar shards (`loong-data convert-to-webdataset` writes them) ...
