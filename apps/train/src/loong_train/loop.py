@@ -32,7 +32,13 @@ from loong_parallel import (
 from loong_train.data import load_text_data, step_batches
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, progress_bar
-from loong_train.multimodal import MEDIA_KEYS, load_multimodal_data, step_counts, vision_flops_per_patch
+from loong_train.multimodal import (
+    MEDIA_KEYS,
+    encoder_process_groups,
+    load_multimodal_data,
+    step_counts,
+    vision_flops_per_patch,
+)
 from loong_train.schema import Config, ConfigError, validate
 from loong_train.thd import build_balancer, schedule_shape
 from loong_xpu import Accelerator, get_accelerator, redirect_cuda
@@ -130,9 +136,12 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         **fusion_fields(backend),
     )
 
+    encoder_groups = encoder_process_groups(cfg.model, cfg.parallel.tp)
+
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
         return build_model(cfg.model, tconfig, device_type=accel.device_type, pre_process=pre_process,
-                           post_process=post_process, vp_stage=vp_stage)  # fmt: skip
+                           post_process=post_process, vp_stage=vp_stage,
+                           encoder_pg_collection=encoder_groups)  # fmt: skip
 
     try:
         chunks = build_model_chunks(provider, cfg.parallel, tconfig, accel)

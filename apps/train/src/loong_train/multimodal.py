@@ -265,3 +265,19 @@ def vision_flops_per_patch(model: ModelConfig) -> float:
         e.hidden_size, e.spatial_merge_size, model.foundation.hidden_size
     )
     return 6 * e.num_parameters() + 6 * proj / e.spatial_merge_size**2
+
+
+def encoder_process_groups(model: ModelConfig, foundation_tp: int):
+    """The image encoder's process groups when its TP size (``model.image_encoder.
+    tensor_model_parallel_size``) differs from the foundation's, else None (megatron's own).
+    Collective when they differ."""
+    from loong_models import encoder_tensor_parallel_size
+    from loong_parallel.component_groups import component_process_groups
+
+    if model.image_encoder is None:
+        return None
+    try:
+        etp = encoder_tensor_parallel_size(model, foundation_tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return component_process_groups(etp) if etp != foundation_tp else None
