@@ -153,11 +153,11 @@ def vlm_reference(vlm_init):
     [
         [],  # DP=2: each rank packs and encodes its half of every global batch
         ["parallel.tp=2"],
-        # the encoder replicated (TP=1) inside the foundation's TP=2; megatron's distributed
-        # checkpointing refuses the replicated projector tensors (loong-models), so no final save
-        ["parallel.tp=2", "model.image_encoder.tensor_model_parallel_size=1", "train.save_final=false"],
+        # Not here: encoder TP=1 inside TP=2 trains, but megatron's distributed checkpointing
+        # refuses the replicated projector's tensors (duplicate replica ids, a loong-models issue),
+        # so it can neither start from the shared initial checkpoint nor save one.
     ],
-    ids=["dp2", "tp2", "tp2-encoder-tp1"],
+    ids=["dp2", "tp2"],
 )
 def test_vlm_two_processes_match_single_process(vlm_reference, run_vlm, layout):
     """torchrun, 2 processes, gloo: the same losses as one process from the same weights."""
