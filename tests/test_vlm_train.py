@@ -153,9 +153,7 @@ def vlm_reference(vlm_init):
     [
         [],  # DP=2: each rank packs and encodes its half of every global batch
         ["parallel.tp=2"],
-        # Not here: encoder TP=1 inside TP=2 trains, but megatron's distributed checkpointing
-        # refuses the replicated projector's tensors (duplicate replica ids, a loong-models issue),
-        # so it can neither start from the shared initial checkpoint nor save one.
+        # encoder TP=1 inside TP=2: see the next test
     ],
     ids=["dp2", "tp2"],
 )
@@ -182,3 +180,17 @@ def test_alignment_phase_trains_only_the_projector(vlm_init, run_vlm):
         assert torch.equal(before[key], after[key]), f"{key} changed although its component is frozen"
     changed = [k for k in before if k.startswith("image_projector.") and not torch.equal(before[k], after[k])]
     assert changed, "the projector did not train"
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_vlm_encoder_tp1_inside_tp2_matches_single_process(run_vlm):
+    """The image encoder replicated (TP=1) inside the foundation's TP=2. megatron's distributed
+    checkpointing refuses the replicated projector's tensors (duplicate replica ids, a loong-models
+    issue), so both runs start from the seed (the CPU init is layout independent) and save nothing."""
+    common = ["train.steps=3", "train.eval_interval=0", "train.save_final=false"]
+    single = run_vlm(common, name="single").check().losses()
+    layout = ["parallel.tp=2", "model.image_encoder.tensor_model_parallel_size=1"]
+    losses = run_vlm([*common, *layout], nproc=2, name="etp1").check().losses()
+    for step, loss in single.items():
+        assert abs(losses[step] - loss) <= 1e-4, f"step {step}: {losses[step]} vs single-process {loss}"
