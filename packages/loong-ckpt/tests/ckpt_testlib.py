@@ -16,6 +16,7 @@ from hf_models import hf_logits, make_hf_model
 
 HERE = Path(__file__).parent
 FAMILIES = ("llama", "qwen2", "qwen3")
+MOE_FAMILIES = ("qwen3-moe", "deepseek-v3")  # checked at EP=2 (not TP/PP) under torchrun
 TIED = {"qwen3"}  # one family with tied embeddings covers that path (no output_layer key)
 
 
@@ -35,11 +36,21 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_workers(jobs: list[tuple[Path, Path, Path]], *, tp: int, pp: int) -> list[torch.Tensor]:
-    """Loong logits of each (source, tokens, out) job at TP x PP, in one torchrun launch."""
-    script = [str(HERE / "parity_worker.py"), "--tp", str(tp), "--pp", str(pp)]
+def run_workers(
+    jobs: list[tuple[Path, Path, Path]], *, tp: int, pp: int, ep: int = 1, read_log: Path | None = None
+) -> list[torch.Tensor]:
+    """Loong logits of each (source, tokens, out) job at TP x PP (x EP), in one torchrun launch;
+    ``read_log``: a directory where each rank lists the HF tensors it read."""
+    script = [str(HERE / "parity_worker.py"), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+    script += ["--read-log", str(read_log)] if read_log else []
     script += [str(x) for job in jobs for x in job]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={tp * pp * ep}",
+    ]
     proc = subprocess.run([*launcher, *script], env=worker_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out) for _, _, out in jobs]

@@ -18,7 +18,6 @@ def converted(tmp_path_factory):
     return lambda family: get_converted(tmp_path_factory, family)
 
 
-
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -154,3 +153,94 @@ def test_partial_or_foreign_checkpoint(converted, tmp_path):
     with pytest.raises(ConversionError, match="--model-yaml"):
         mcore_to_hf(bare, tmp_path / "out", progress=False)
     _nothing_left(tmp_path / "out")
+
+
+# --- MoE / MLA families ---------------------------------------------------------------------------
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    hf = _copy(src, dst)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(changes)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    return hf
+
+
+@pytest.mark.parametrize(
+    "family,changes,match",
+    [
+        ("qwen3-moe", {"norm_topk_prob": False}, "norm_topk_prob=False is not supported for qwen3-moe"),
+        ("qwen3-moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\].*only the first k layers may be dense"),
+        ("deepseek-v3", {"rope_interleave": False}, "rope_interleave=False is not supported for deepseek-v3"),
+        ("deepseek-v3", {"q_lora_rank": None}, "q_lora_rank=None is not supported for deepseek-v3: MLA without a query latent builds"),
+        ("deepseek-v3", {"topk_group": 2}, "topk_group=2 .*num_experts_per_tok / topk_group must be 2"),
+        ("deepseek-v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+         "rope type 'yarn' is not supported; allowed: default"),
+    ],
+    ids=["qwen3-moe-unnormalised-topk", "qwen3-moe-dense-layer-inside", "deepseek-no-rope-interleave", "deepseek-no-q-latent",
+         "deepseek-group-ranking", "deepseek-yarn"],
+)  # fmt: skip
+def test_unrepresentable_moe_or_mla_config(family, changes, match, converted, tmp_path):
+    hf = _edit_config(converted(family).hf, tmp_path / "hf", **changes)
+    with pytest.raises(ConversionError, match=match) as e:
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+    assert "config.json" in str(e.value)
+    _nothing_left(tmp_path / "out")
+
+
+def test_mtp_layers_are_refused(converted, tmp_path):
+    """DeepSeek-V3's multi-token-prediction layer (model.layers.<num_hidden_layers>.*) is not mapped:
+    converting would silently drop it, so it is an error naming a tensor."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf = _copy(converted("deepseek-v3").hf, tmp_path / "hf")
+    shard = sorted(hf.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.2.eh_proj.weight"] = shard.name
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        ConversionError, match=r"model\.layers\.2\.eh_proj\.weight.*multi-token-prediction \(MTP\)"
+    ):
+        hf_to_mcore(hf, tmp_path / "out", progress=False)
+    _nothing_left(tmp_path / "out")
+
+
+def test_fused_expert_layout_is_refused(converted, tmp_path):
+    """transformers 5 keeps experts fused in memory; save_pretrained(save_original_format=False)
+    writes them so. Only the per-expert layout (save_pretrained's default, the Hub's) is read."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(converted("qwen3-moe").hf, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "hf", save_original_format=False)
+    with pytest.raises(
+        ConversionError,
+        match=r"mlp\.experts\.(gate_up|down)_proj holds all experts fused.*save_original_format",
+    ):
+        hf_to_mcore(tmp_path / "hf", tmp_path / "out", progress=False)
+    _nothing_left(tmp_path / "out")
+
+
+def test_expert_parallel_layout_is_checked(converted, tmp_path):
+    from loong_ckpt.cli import main
+
+    assert (
+        main(
+            ["hf-to-mcore", str(converted("qwen3-moe").hf), str(tmp_path / "x"), "--ep", "3", "--no-progress"]
+        )
+        == 2
+    )
+    with pytest.raises(ConversionError, match=r"--ep=2 must divide the model's routed experts \(none\)"):
+        hf_to_mcore(converted("llama").hf, tmp_path / "out", ep=2, progress=False)
+    res = hf_to_mcore(converted("qwen3-moe").hf, tmp_path / "ok", ep=2, progress=False)
+    assert "parallel.ep=2" in res.command
+    assert json.loads((tmp_path / "ok" / "loong.json").read_text())["target_layout"] == {
+        "tp": 1,
+        "pp": 1,
+        "ep": 2,
+    }
+    _nothing_left(tmp_path / "x")

@@ -23,22 +23,59 @@ class DictReader:
 
     def read(self, name, dim=None, start=0, stop=None):
         t = self.tensors[name]
-        return t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
+        return (
+            t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
+        )
 
 
-def test_every_dense_llm_family_has_a_mapping():
+def test_every_llm_family_has_a_mapping():
     # deepseek-v32 (MLA + sparse attention) has no HF mapping yet: it must fail clearly, not silently
     assert set(MAPPINGS) == set(FAMILIES) - {"deepseek-v32"}
     for name in ("mamba", "deepseek-v32"):
-        with pytest.raises(ValueError, match=f"no HF mapping is declared for family '{name}'; families with one: llama, qwen2, qwen3"):
+        with pytest.raises(ValueError, match=f"no HF mapping is declared for family '{name}'; families with one: "
+                                             "llama, qwen2, qwen3, qwen3-moe, deepseek-v3"):  # fmt: skip
             get_mapping(name)
+
+
+def test_units_and_locate_handle_indexed_stacked_and_expert_keys():
+    """MoE layers after dense ones: per-layer rules apply where they should; keys are found whether
+    megatron indexes layers (decoder.layers.<i>.*) or stacks them, under either spec's norm name."""
+    from loong_ckpt.mapping import locate, units
+    from loong_models.foundation import MoEConfig
+
+    cfg = FoundationConfig(family="qwen3-moe", num_layers=3, num_query_groups=2, kv_channels=16,
+                           moe=MoEConfig(num_experts=4, ffn_hidden_size=8, first_k_dense=1))  # fmt: skip
+    rules = [r for r in get_mapping("qwen3-moe").rules if r.applies(cfg)]
+    got = [(r.mcore.rsplit("mlp.", 1)[-1], i, e) for r, i, e in units(rules, cfg) if "mlp." in r.mcore]
+    assert ("linear_fc2.weight", 0, None) in got and ("linear_fc2.weight", 1, None) not in got
+    assert ("router.weight", 0, None) not in got and ("router.weight", 2, None) in got
+    assert [e for name, i, e in got if i == 1 and name == "experts.experts.linear_fc1.weight"] == [0, 1, 2, 3]
+    by_key = get_mapping("qwen3-moe").by_mcore_key()
+    fc1 = by_key["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    u = locate(fc1, 2, 3, {"decoder.layers.2.mlp.experts.experts.linear_fc1.weight"})
+    assert (u.key, u.prefix) == ("decoder.layers.2.mlp.experts.experts.linear_fc1.weight", (3,))
+    u = locate(fc1, 2, 3, {"decoder.layers.mlp.experts.experts.linear_fc1.weight"})
+    assert (u.key, u.prefix) == ("decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 3))
+    norm = by_key["decoder.layers.mlp.linear_fc1.layer_norm_weight"]
+    assert (
+        locate(norm, 1, None, {"decoder.layers.1.pre_mlp_layernorm.weight"}).key
+        == "decoder.layers.1.pre_mlp_layernorm.weight"
+    )
+    assert locate(norm, 1, None, {"decoder.layers.0.pre_mlp_layernorm.weight"}) is None
+    assert fc1.hf_names(2, 3) == [
+        "model.layers.2.mlp.experts.3.gate_proj.weight",
+        "model.layers.2.mlp.experts.3.up_proj.weight",
+    ]
 
 
 def test_qkv_layout_is_megatrons():
     """Per KV group: its q heads, then its k head, then its v head."""
     d, h = CFG.head_dim, CFG.hidden_size
     q = torch.arange(8 * d).repeat_interleave(h).reshape(8 * d, h).float()
-    k, v = -1 - torch.arange(4 * d).float()[:, None].expand(4 * d, h), 1000 + torch.arange(4 * d).float()[:, None].expand(4 * d, h)
+    k, v = (
+        -1 - torch.arange(4 * d).float()[:, None].expand(4 * d, h),
+        1000 + torch.arange(4 * d).float()[:, None].expand(4 * d, h),
+    )
     fused = QKV.fuse([q, k, v], CFG, 4)
     group0 = fused[: 4 * d, 0]
     assert torch.equal(group0[: 2 * d], q[: 2 * d, 0]) and torch.equal(group0[2 * d : 3 * d], k[:d, 0])
@@ -83,7 +120,9 @@ def _mcore_shape(rule: Rule) -> tuple[int, ...]:
         "linear_fc1.weight": (2 * f, h), "linear_fc2.weight": (h, f), "layer_norm_weight": (h,),
         "q_layernorm.weight": (d,), "k_layernorm.weight": (d,), "final_layernorm.weight": (h,),
     }  # fmt: skip
-    return next(v for k, v in shapes.items() if rule.mcore.endswith(k))
+    return next(
+        (v for k, v in shapes.items() if rule.mcore.endswith(k)), (16, 32)
+    )  # identity rules: any shape
 
 
 def test_rule_arity_is_checked():

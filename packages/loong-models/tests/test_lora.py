@@ -130,3 +130,50 @@ def test_dropout_is_training_only(megatron_cpu):
     torch.testing.assert_close(module(x)[0], ref)
     model.train()
     assert not torch.allclose(module(x)[0], ref)
+
+
+# --- VLM: alignment (frozen encoder + foundation) and LoRA on several components ---
+
+
+def _tiny_vlm(overrides=(), lora: LoraConfig | None = None):
+    from loong_models import load_model_config
+
+    torch.manual_seed(0)
+    cfg = load_model_config("tiny-vlm", ["layer_backend=local", "foundation.num_layers=2", *overrides])
+    cfg.lora = lora
+    config = build_transformer_config(cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True,
+                                      calculate_per_token_loss=True)  # fmt: skip
+    return build_model(cfg, config, device_type="cpu")
+
+
+def test_vlm_alignment_trains_only_the_projector(megatron_cpu):
+    from vlm_testlib import packed_batch
+
+    model = _tiny_vlm(["+image_encoder.freeze=true", "+foundation.freeze=true"])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in trainable} == {id(p) for p in model.image_projector.parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(**packed_batch()).sum().backward()
+        opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) != n.startswith("image_projector."), n
+
+
+def test_vlm_lora_on_foundation_and_encoder(megatron_cpu):
+    from vlm_testlib import packed_batch
+
+    lora = LoraConfig(rank=4, components=["foundation", "image_encoder"])
+    model, base = _tiny_vlm(lora=lora), _tiny_vlm()
+    adapters = {n for n, _ in lora_parameters(model)}
+    assert any(n.startswith("image_encoder.") for n in adapters) and any(
+        n.startswith("foundation.") for n in adapters
+    )
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == adapters | {
+        n for n, _ in model.named_parameters() if n.startswith("image_projector.")
+    }
+    with torch.no_grad():  # zero-init adapters: the same model
+        torch.testing.assert_close(model(**packed_batch()), base(**packed_batch()), rtol=0, atol=0)

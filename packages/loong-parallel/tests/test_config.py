@@ -5,7 +5,9 @@ from loong_parallel import OptimConfig, ParallelConfig
 
 def test_data_parallel_size_is_derived():
     assert ParallelConfig(tp=2, pp=2).data_parallel_size(8) == 2
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by parallel.tp \* parallel.pp = 4 \* 1"):
+    with pytest.raises(
+        ValueError, match=r"world size 6 is not divisible by parallel.tp \* parallel.pp = 4 \* 1"
+    ):
         ParallelConfig(tp=4).data_parallel_size(6)
 
 
@@ -32,8 +34,67 @@ def test_valid_layout_passes():
 
 @pytest.mark.parametrize(
     "ocfg, message",
-    [(OptimConfig(schedule="step"), "allowed: cosine, linear, constant"), (OptimConfig(min_lr=1.0), "must be in")],
+    [
+        (OptimConfig(schedule="step"), "allowed: cosine, linear, constant"),
+        (OptimConfig(min_lr=1.0), "must be in"),
+    ],
 )
 def test_bad_optimizer_settings(ocfg, message):
     with pytest.raises(ValueError, match=message):
         ocfg.validate()
+
+
+MOE = dict(num_experts=8, expert_ffn_hidden_size=32, has_shared_experts=False)
+
+
+@pytest.mark.parametrize(
+    "pcfg, world, moe, message",
+    [
+        (ParallelConfig(ep=2), 4, {}, r"parallel.ep is set but the model has no experts"),
+        (ParallelConfig(etp=1), 4, {}, r"parallel.etp is set but the model has no experts"),
+        (ParallelConfig(ep=0), 4, MOE, r"parallel.ep=0 must be >= 1"),
+        (ParallelConfig(ep=3), 6, MOE, r"parallel.ep=3 must divide the model's 8 experts"),
+        (ParallelConfig(ep=2, etp=3), 6, MOE, r"parallel.etp=3 must divide the experts' ffn_hidden_size \(32\)"),
+        (ParallelConfig(ep=4, pp=2), 4, MOE,
+         r"world size 4 is not divisible by parallel.etp x parallel.ep x parallel.pp = 1 x 4 x 2 = 8"),
+        (ParallelConfig(ep=2, tp=2), 2, MOE, r"parallel.etp x parallel.ep x parallel.pp = 2 x 2 x 1 = 4 \(etp defaults"),
+        (ParallelConfig(ep=2, tp=2, etp=1), 2, MOE, r"parallel.ep > 1 with parallel.tp > 1 needs parallel.sequence_parallel=true"),
+        (ParallelConfig(moe_token_dispatcher="flex"), 1, MOE, r"moe_token_dispatcher='flex'; allowed: alltoall, allgather"),
+        (ParallelConfig(moe_shared_expert_overlap=True), 1, MOE, r"moe_shared_expert_overlap=true but the model has no shared"),
+        (ParallelConfig(moe_shared_expert_overlap=True, moe_token_dispatcher="allgather"), 1,
+         {**MOE, "has_shared_experts": True}, r"moe_shared_expert_overlap=true needs parallel.moe_token_dispatcher=alltoall"),
+        (ParallelConfig(moe_a2a_overlap=True), 1, MOE, r"moe_a2a_overlap=true needs parallel.ep >= 2"),
+        (ParallelConfig(moe_a2a_overlap=True, ep=2, pp=2), 4, MOE, r"moe_a2a_overlap=true with parallel.pp > 1 needs parallel.vpp"),
+        (ParallelConfig(offload_activations=["mlp"]), 1, MOE, r"offload_activations: 'mlp' is unknown; allowed: attn_norm"),
+        (ParallelConfig(offload_activations=["attn_proj"]), 1, MOE, r"'attn_proj' needs 'core_attn' too"),
+    ],
+)  # fmt: skip
+def test_moe_layouts_that_cannot_work_name_the_key(pcfg, world, moe, message):
+    with pytest.raises(ValueError, match=message):
+        pcfg.validate(world, 16, 32, 8, **moe)
+
+
+def test_valid_moe_layouts_pass():
+    ParallelConfig(ep=2, tp=2, etp=1, sequence_parallel=True).validate(
+        2, 16, 32, 8, **MOE
+    )  # experts: 2 (ep) x 1 dp; dense: 2 (tp)
+    ParallelConfig(ep=2, pp=2, vpp=2, moe_a2a_overlap=True).validate(4, 16, 32, 8, **MOE)
+    ParallelConfig(ep=8, tp=1).validate(8, 16, 32, 8, **MOE)
+
+
+def test_cuda_only_moe_options_are_refused_on_the_host():
+    import torch
+
+    from loong_parallel import runtime_transformer_fields
+
+    for pcfg in (ParallelConfig(ep=2, moe_a2a_overlap=True), ParallelConfig(offload_activations=["moe_act"])):
+        with pytest.raises(ValueError, match=r"needs CUDA \(device type here: cpu\)"):
+            runtime_transformer_fields(pcfg, dtype=torch.float32, device_type="cpu")
+    with pytest.raises(ValueError, match=r"moe_a2a_overlap=true needs train.dtype bf16 or fp16"):
+        runtime_transformer_fields(
+            ParallelConfig(ep=2, moe_a2a_overlap=True), dtype=torch.float32, device_type="cuda"
+        )
+    fields = runtime_transformer_fields(
+        ParallelConfig(ep=2, tp=2, etp=1), dtype=torch.float32, device_type="cpu"
+    )
+    assert (fields["expert_model_parallel_size"], fields["expert_tensor_parallel_size"]) == (2, 1)

@@ -88,7 +88,33 @@ def test_megatron_optimizer_kernels_are_host_ones_on_redirected_devices(monkeypa
         assert optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale
         # and megatron's norm computation now runs on host tensors
         grads = [torch.ones(3), torch.ones(4)]
-        norm = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, torch.zeros(1, dtype=torch.int), [grads], False)[0]
+        norm = clip_grads.multi_tensor_applier(
+            clip_grads.l2_norm_impl, torch.zeros(1, dtype=torch.int), [grads], False
+        )[0]
         assert torch.allclose(norm, torch.tensor(7.0).sqrt())
     for (module, name), value in bindings.items():
         assert getattr(module, name) is value
+
+
+def test_moe_dispatcher_split_sizes_become_host_numpy():
+    # The EP all-to-all hands these to all_to_all_single as split sizes (a list-like of ints).
+    from megatron.core.transformer.moe import token_dispatcher
+
+    with redirect_cuda(get_accelerator("cpu")):
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
+        assert splits.tolist() == [3, 5] and not torch.is_tensor(splits)
+        count = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor(7))
+        assert torch.is_tensor(count) and count.device.type == "cpu"
+        assert token_dispatcher.maybe_move_tensor_to_cpu(None) is None
+
+
+def test_recomputed_forwards_keep_the_device_redirect():
+    # Activation recompute runs the forward again inside backward(), where torch has the device
+    # mode switched off; megatron's _fork_rng patch turns it back on there.
+    from megatron.core.tensor_parallel.random import checkpoint
+
+    with redirect_cuda(get_accelerator("cpu")):
+        x = torch.ones(3, requires_grad=True)
+        y = checkpoint(lambda t: t * torch.full((3,), 2.0, device=torch.cuda.current_device()), False, x)
+        y.sum().backward()
+        assert x.grad.tolist() == [2.0, 2.0, 2.0]

@@ -20,6 +20,7 @@ from loong_models.lora import LoraError
 from loong_models.packed_seq import packed_seq_params
 from loong_parallel import (
     LOSS_KEY,
+    RouterStats,
     build_model_chunks,
     build_optimizer,
     eval_step,
@@ -58,10 +59,12 @@ class RunSummary:
     tokens_per_s: float | None = None
 
 
-def lm_forward_step(device: torch.device, data_iterator, model):
+def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_plan: bool = False):
     """megatron forward_step: per-token LM loss on the last stage, hidden states elsewhere.
     Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document. Multimodal
-    batches also carry images / videos (``MEDIA_KEYS``), which go to the model as keywords."""
+    batches also carry images / videos (``MEDIA_KEYS``), which go to the model as keywords.
+    ``return_schedule_plan``: megatron's combined 1F1B schedule (MoE all-to-all overlap) asks for
+    the model's schedule plan of this micro-batch instead of running its forward."""
     batch = next(data_iterator)
     tokens = batch["tokens"].to(device, non_blocking=True)
     packed = None
@@ -69,7 +72,8 @@ def lm_forward_step(device: torch.device, data_iterator, model):
         packed = packed_seq_params(batch["cu_seqlens"].to(device, non_blocking=True), batch["max_seqlen"])
     media = {key: batch[key].to(device, non_blocking=True) for key in MEDIA_KEYS
              if key in batch and batch[key].numel()}  # a pack without images has empty tensors  # fmt: skip
-    output = model(
+    run = model.build_schedule_plan if return_schedule_plan else model
+    output = run(
         tokens,
         batch["position_ids"].to(device, non_blocking=True),
         None,  # causal mask is implied by the layer spec
@@ -130,11 +134,14 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         )
 
     backend = resolve_backend(cfg.model.layer_backend, accel.device_type)
-    tconfig = build_transformer_config(
-        f,
-        **runtime_transformer_fields(cfg.parallel, dtype=dtype, device_type=accel.device_type),
-        **fusion_fields(backend),
-    )
+    try:  # the layout and layer backend decide the rest (CUDA-only options, grouped-GEMM experts)
+        tconfig = build_transformer_config(
+            f,
+            **runtime_transformer_fields(cfg.parallel, dtype=dtype, device_type=accel.device_type),
+            **fusion_fields(backend),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     encoder_groups = encoder_process_groups(cfg.model, cfg.parallel.tp)
 
@@ -164,7 +171,9 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         # With LoRA the checkpoints hold the adapters only: the frozen base always comes from init_from.
         _load_weights(t.init_from, chunks, f, part="frozen" if lora is not None else "all", is_main=is_main)
     if resumed is not None:
-        info, rng = load_checkpoint(resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel))
+        info, rng = load_checkpoint(
+            resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel)
+        )
         if rng is not None:
             _set_rng_state(accel, rng)
         start_step = info.step
@@ -176,26 +185,35 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         optimizer.reload_model_params()
 
     n_params = f.num_parameters()
+    n_active = f.num_active_parameters()  # = n_params for dense models; MFU counts what a token uses
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
-    flops_per_token = 6 * n_params + 6 * f.num_layers * f.hidden_size * cfg.data.seq_length
+    flops_per_token = 6 * n_active + 6 * f.num_layers * f.hidden_size * cfg.data.seq_length
     peak = accel.peak_flops(dtype)
     if is_main:
+        moe = (
+            f"{n_active / 1e6:.1f}M active, {f.moe.num_experts} experts top-{f.moe.router_topk}, "
+            if f.moe
+            else ""
+        )
+        experts = f" | experts: ep {cfg.parallel.ep} x etp {cfg.parallel.expert_tp}" if f.moe else ""
         logger.info(
-            "model %s (%.1fM params, %s layers%s) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d | "
+            "model %s (%.1fM params, %s%s layers%s) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d%s | "
             "global batch %d x seq %d, %d micro-batches/step | trainable params (rank 0): %.3fM%s",
-            f.family, n_params / 1e6, f.num_layers,
+            f.family, n_params / 1e6, moe, f.num_layers,
             f"; + {(cfg.model.num_parameters() - n_params) / 1e6:.2f}M image encoder + projector" if multimodal else "",
             accel.name, str(dtype).removeprefix("torch."), backend,
-            world_size, cfg.parallel.tp, cfg.parallel.pp, mpu.get_data_parallel_world_size(),
+            world_size, cfg.parallel.tp, cfg.parallel.pp, mpu.get_data_parallel_world_size(), experts,
             t.global_batch_size, cfg.data.seq_length, num_microbatches, trainable / 1e6,
             f" (LoRA rank {lora.rank} on {', '.join(lora.targets)})" if lora else "",
         )  # fmt: skip
 
     dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    sched = dict(num_microbatches=num_microbatches, seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size)
+    sched = dict(
+        num_microbatches=num_microbatches, seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size
+    )
     b = cfg.data.balance
     balancer = build_balancer(
-        num_parameters=n_params, num_layers=f.num_layers, attention_width=f.num_attention_heads * f.head_dim,
+        num_parameters=n_active, num_layers=f.num_layers, attention_width=f.num_attention_heads * f.head_dim,
         group=mpu.get_data_parallel_group(), device=device, min_imbalance=b.min_imbalance,
         max_tokens=b.max_tokens_per_rank, refit=b.refit, warmup_steps=b.refit_warmup_steps,
         interval=b.refit_interval, window=b.refit_window,
@@ -210,6 +228,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, start_step=start_step, balancer=balancer,
         )  # fmt: skip
     forward_step = partial(lm_forward_step, device)
+    router_stats = RouterStats(chunks, tconfig, device) if f.moe else None
     metrics = MetricsWriter(out_dir, enabled=is_main, tensorboard=t.tensorboard, resume_step=start_step)
     summary = RunSummary(metrics_file=metrics.path, tensorboard_dir=metrics.tb_dir if t.tensorboard else None)
 
@@ -242,10 +261,12 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
 
     def export(step: int, checkpoint: Path) -> Path:
         tok = Path(data.tokenizer.path)
-        return export_hf(checkpoint, out_dir / "hf" / f"step_{step:08d}", tokenizer=tok if tok.is_dir() else tok.parent)
+        return export_hf(
+            checkpoint, out_dir / "hf" / f"step_{step:08d}", tokenizer=tok if tok.is_dir() else tok.parent
+        )
 
     bar = progress_bar(t.steps, start_step, enabled=is_main and t.progress)
-    window_t0, window_tokens, window_images, window_flops = time.perf_counter(), 0, 0, 0.0
+    window_t0, window_tokens, window_images, window_flops, window_steps = time.perf_counter(), 0, 0, 0.0, 0
     for step in range(start_step + 1, t.steps + 1):
         step_t0 = time.perf_counter()
         mbs = next(batches)
@@ -263,6 +284,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         else:
             window_tokens += result.num_tokens  # loss tokens: every token in fixed packing, real ones in THD
             window_flops += flops_per_token * result.num_tokens
+        window_steps += 1
         if summary.first_loss is None:
             summary.first_loss = result.loss
         summary.last_loss = result.loss
@@ -279,13 +301,22 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
                 record.update(balancer.metrics())
             if multimodal:
                 record["images_per_s"] = window_images / elapsed
+            postfix = {}
+            if router_stats:
+                moe_stats = router_stats.report(num_microbatches * window_steps, step)
+                record.update(moe_stats)
+                postfix = {
+                    k.removeprefix("moe_"): f"{v:.3g}"
+                    for k, v in moe_stats.items()
+                    if not isinstance(v, list)
+                }
             if peak:
                 record["mfu"] = window_flops / elapsed / world_size / peak
             mem = accel.memory_stats()
             record["peak_mem_gib"] = round(mem.peak_allocated / 2**30, 3)
             metrics.write(record)
-            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
-            window_t0, window_tokens, window_images, window_flops = time.perf_counter(), 0, 0, 0.0
+            bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}", **postfix, refresh=False)
+            window_t0, window_tokens, window_images, window_flops, window_steps = time.perf_counter(), 0, 0, 0.0, 0
         bar.update(1)
         if t.eval_interval and t.eval_iters and step % t.eval_interval == 0 and step != t.steps:
             evaluate(step)
@@ -295,6 +326,8 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             if want_export:
                 summary.hf_export = export(step, summary.checkpoint)
     bar.close()
+    if router_stats:
+        router_stats.close()
     if t.eval_iters:
         summary.eval_loss = evaluate(t.steps)
     if t.save_final or t.export_hf:
@@ -329,7 +362,11 @@ def _check_lora_base(resumed, init_from: str | None) -> None:
 def _rng_state(accel: Accelerator) -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {"cpu": torch.get_rng_state(), "device": accel.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    return {
+        "cpu": torch.get_rng_state(),
+        "device": accel.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
 
 
 def _set_rng_state(accel: Accelerator, state: dict) -> None:

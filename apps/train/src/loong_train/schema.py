@@ -80,9 +80,20 @@ def validate(cfg: Config, world_size: int) -> int:
         if cfg.model.lora is not None:
             cfg.model.lora.validate()
         cfg.optim.validate()
-        cfg.parallel.validate(world_size, f.num_layers, f.num_attention_heads, f.query_groups)
+        moe = f.moe
+        cfg.parallel.validate(
+            world_size, f.num_layers, f.num_attention_heads, f.query_groups,
+            num_experts=moe.num_experts if moe else None, expert_ffn_hidden_size=moe.ffn_hidden_size if moe else None,
+            has_shared_experts=bool(moe and moe.shared_expert_intermediate_size),
+        )  # fmt: skip
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    inside_moe = {"expert_fc1", "moe_act"} & set(cfg.parallel.offload_activations)
+    if inside_moe and "moe" in (f.recompute_modules or []):
+        raise ConfigError(
+            f"parallel.offload_activations {sorted(inside_moe)} lie inside the MoE layer that "
+            "model.foundation.recompute_modules=[moe] recomputes; drop one of them (megatron's rule)"
+        )
     if t.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={t.dtype!r}; allowed: {', '.join(DTYPES)}")
     if cfg.model.lora is not None and not t.init_from:
@@ -91,7 +102,9 @@ def validate(cfg: Config, world_size: int) -> int:
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0 (0 saves the initial weights)")
     if t.export_hf_interval < 0:
-        raise ConfigError(f"train.export_hf_interval={t.export_hf_interval} must be >= 0 (0 = at the end only)")
+        raise ConfigError(
+            f"train.export_hf_interval={t.export_hf_interval} must be >= 0 (0 = at the end only)"
+        )
     for key in ("micro_batch_size", "global_batch_size", "log_interval"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
@@ -112,8 +125,14 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"data.kind={d.kind!r}; allowed: {', '.join(DATA_KINDS)}")
     if d.kind == "chat" and d.packing != "fixed":
         raise ConfigError("data.kind=chat trains one conversation per data.seq_length row: use data.packing=fixed")
-    for error in validate_packing(d.packing, d.thd, d.balance, seq_length=d.seq_length, tp=cfg.parallel.tp,
-                                  sequence_parallel=cfg.parallel.sequence_parallel):
+    for error in validate_packing(
+        d.packing,
+        d.thd,
+        d.balance,
+        seq_length=d.seq_length,
+        tp=cfg.parallel.tp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    ):
         raise ConfigError(error)
     for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing, balance=d.balance.enabled):
         raise ConfigError(error)

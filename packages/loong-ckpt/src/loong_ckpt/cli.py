@@ -1,7 +1,7 @@
 """``loong-convert``: HF <-> Megatron checkpoints from the command line.
 
-    loong-convert hf-to-mcore <hf dir> <out dir> [--tp N] [--pp N] [--dtype auto|fp32|bf16|fp16]
-    loong-convert mcore-to-hf <checkpoint dir> <out dir> [--dtype ...] [--tokenizer DIR]
+loong-convert hf-to-mcore <hf dir> <out dir> [--tp N] [--pp N] [--ep N] [--dtype auto|fp32|bf16|fp16]
+loong-convert mcore-to-hf <checkpoint dir> <out dir> [--dtype ...] [--tokenizer DIR]
 """
 
 from __future__ import annotations
@@ -14,20 +14,37 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="loong-convert", description="Convert checkpoints between HF and Megatron.")
+    ap = argparse.ArgumentParser(
+        prog="loong-convert", description="Convert checkpoints between HF and Megatron."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     a = sub.add_parser("hf-to-mcore", help="HF directory -> Loong / megatron distributed checkpoint")
     a.add_argument("src", type=Path, help="HF directory (config.json + safetensors)")
     a.add_argument("out", type=Path, help="output checkpoint directory")
-    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size to validate and record (default 1)")
-    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to validate and record (default 1)")
+    a.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel size to validate and record (default 1)"
+    )
+    a.add_argument(
+        "--pp", type=int, default=1, help="pipeline-parallel size to validate and record (default 1)"
+    )
+    a.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size (MoE) to validate and record (default 1)"
+    )
     a.add_argument("--name", help="model name for the generated Loong YAML (default: the HF directory name)")
-    b = sub.add_parser("mcore-to-hf", help="Loong / megatron distributed checkpoint (any TP/PP) -> HF directory")
+    b = sub.add_parser(
+        "mcore-to-hf", help="Loong / megatron distributed checkpoint (any TP/PP) -> HF directory"
+    )
     b.add_argument("src", type=Path, help="checkpoint directory (e.g. runs/x/checkpoints/step_00000100)")
     b.add_argument("out", type=Path, help="output HF directory")
-    b.add_argument("--tokenizer", type=Path, help="folder with tokenizer files to copy (default: the checkpoint's)")
-    b.add_argument("--model-yaml", type=Path, help="foundation YAML, for checkpoints without loong.json metadata")
-    b.add_argument("--max-shard-size", type=float, default=2.0, help="safetensors shard size in GiB (default 2)")
+    b.add_argument(
+        "--tokenizer", type=Path, help="folder with tokenizer files to copy (default: the checkpoint's)"
+    )
+    b.add_argument(
+        "--model-yaml", type=Path, help="foundation YAML, for checkpoints without loong.json metadata"
+    )
+    b.add_argument(
+        "--max-shard-size", type=float, default=2.0, help="safetensors shard size in GiB (default 2)"
+    )
     for p in (a, b):
         p.add_argument("--dtype", default="auto", help="auto (keep), fp32, bf16 or fp16")
         p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -49,16 +66,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "hf-to-mcore":
-            res = hf_to_mcore(args.src, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, name=args.name,
+            res = hf_to_mcore(args.src, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype, name=args.name,
                               force=args.force, progress=not args.no_progress)  # fmt: skip
-            print(f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)")
+            print(
+                f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
+            )
             print(f"train from it:\n  {res.command}")
         else:
             foundation = _load_foundation_yaml(args.model_yaml) if args.model_yaml else None
             res = mcore_to_hf(args.src, args.out, dtype=args.dtype, tokenizer=args.tokenizer, foundation=foundation,
                               force=args.force, progress=not args.no_progress,
                               max_shard_bytes=int(args.max_shard_size * 2**30))  # fmt: skip
-            print(f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)")
+            print(
+                f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
+            )
     except (ConversionError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import resource
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from loong_ckpt.hf_config import (
 )
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
 from loong_ckpt.log import logger
-from loong_ckpt.mapping import Rule
+from loong_ckpt.mapping import Rule, Unit, layer_key, locate, units
 from loong_ckpt.mcore_io import Chunk, model_template, read_metadata, read_regions, write_checkpoint
 from loong_ckpt.training import FORMAT_VERSION, META_FILE, PARTIAL_SUFFIX, _write_atomic
 from loong_models import FoundationConfig
@@ -90,16 +91,23 @@ def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
         partial.rename(out)
 
 
-def check_layout(cfg: FoundationConfig, tp: int, pp: int) -> None:
-    """The TP / PP layout must be able to hold the model."""
-    if tp < 1 or pp < 1:
-        raise ConversionError(f"--tp={tp} --pp={pp}: both must be >= 1")
-    if cfg.num_attention_heads % tp or cfg.query_groups % tp:
+def check_layout(cfg: FoundationConfig, tp: int, pp: int, ep: int = 1) -> None:
+    """The TP / PP / EP layout must be able to hold the model."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConversionError(f"--tp={tp} --pp={pp} --ep={ep}: all must be >= 1")
+    if cfg.mla is None and (cfg.num_attention_heads % tp or cfg.query_groups % tp):
         raise ConversionError(
             f"--tp={tp} must divide the attention heads ({cfg.num_attention_heads}) and KV groups ({cfg.query_groups})"
         )
+    if cfg.mla is not None and cfg.num_attention_heads % tp:
+        raise ConversionError(f"--tp={tp} must divide the attention heads ({cfg.num_attention_heads})")
     if cfg.num_layers % pp:
         raise ConversionError(f"--pp={pp} must divide the model's {cfg.num_layers} layers")
+    moe = cfg.moe
+    if ep > 1 and (moe is None or moe.num_experts % ep):
+        raise ConversionError(
+            f"--ep={ep} must divide the model's routed experts ({moe.num_experts if moe else 'none'})"
+        )
     if cfg.padded_vocab_size(tp) != cfg.padded_vocab_size(1):
         raise ConversionError(
             f"--tp={tp} changes the padded vocabulary ({cfg.padded_vocab_size(1)} -> {cfg.padded_vocab_size(tp)}); "
@@ -107,14 +115,40 @@ def check_layout(cfg: FoundationConfig, tp: int, pp: int) -> None:
         )
 
 
-def _layer_shape(key: str, shape: tuple[int, ...], layered: bool) -> tuple[int, ...]:
-    return shape[1:] if layered else shape
+def plan_units(rules: list[Rule], cfg: FoundationConfig, keys: Collection[str], where: str) -> list[Unit]:
+    """Every (rule, layer, expert) tensor of ``cfg`` located among checkpoint ``keys``."""
+    out = []
+    for rule, layer, expert in units(rules, cfg):
+        unit = locate(rule, layer, expert, keys)
+        if unit is None:
+            at = (
+                rule.mcore
+                if layer is None
+                else f"{rule.mcore} (layer {layer}, or {layer_key(rule.mcore, layer)})"
+            )
+            raise ConversionError(f"{where}: megatron key {at} is missing")
+        out.append(unit)
+    return out
 
 
-def _groups(rules: list[Rule], num_layers: int) -> list[tuple[Rule, int | None]]:
-    """Non-layer tensors first, then layer by layer (HF's usual order)."""
-    flat = [(r, None) for r in rules if not r.layered]
-    return flat + [(r, i) for i in range(num_layers) for r in rules if r.layered]
+def check_hf_extras(reader: HFReader, cfg: FoundationConfig) -> None:
+    """HF tensors that this mapping would silently drop but that carry model behaviour."""
+    beyond = sorted(n for n in reader.tensors
+                    if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= cfg.num_layers)  # fmt: skip
+    if beyond:
+        raise ConversionError(
+            f"{reader.path}: {len(beyond)} tensors belong to layers beyond num_hidden_layers={cfg.num_layers} "
+            f"(e.g. {beyond[0]}): multi-token-prediction (MTP) layers are not supported; "
+            "remove them (and set num_nextn_predict_layers=0) to convert the main model"
+        )
+    if fused := sorted(
+        n for n in reader.tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    ):
+        raise ConversionError(
+            f"{reader.path}: {fused[0]} holds all experts fused (transformers' internal layout, written by "
+            "save_pretrained(save_original_format=False)); supported: one tensor per expert, "
+            "model.layers.<i>.mlp.experts.<e>.{gate,up,down}_proj.weight (save_pretrained's default)"
+        )
 
 
 def hf_to_mcore(
@@ -123,6 +157,7 @@ def hf_to_mcore(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     dtype: str | None = None,
     name: str | None = None,
     force: bool = False,
@@ -134,25 +169,29 @@ def hf_to_mcore(
     check_output_dir(out, force)
     reader = HFReader(src)
     cfg = from_hf_config(reader.config, str(src / CONFIG_FILE))
-    check_layout(cfg, tp, pp)
+    check_layout(cfg, tp, pp, ep)
+    check_hf_extras(reader, cfg)
     mapping = get_mapping(cfg.family)
     rules = [r for r in mapping.rules if r.applies(cfg)]
     template = model_template(cfg)
-    _check_rules_cover(template.tensors, rules, cfg.family)
+    plan = plan_units(
+        rules, cfg, template.tensors, f"family {cfg.family}: a rule names a key the built model lacks;"
+    )
+    _check_rules_cover(template.tensors, plan, cfg.family)
     padded = cfg.padded_vocab_size(tp)
 
     # Validate every HF tensor's presence and shape before writing anything.
     used: set[str] = set()
-    for rule, layer in _groups(rules, cfg.num_layers):
-        layer_shape = _layer_shape(rule.mcore, template.tensors[rule.mcore], rule.layered)
-        for hf_name, expected in zip(rule.hf_names(layer), rule.hf_shapes(layer_shape, cfg)):
+    for u in plan:
+        unit_shape = template.tensors[u.key][len(u.prefix) :]
+        for hf_name, expected in zip(u.rule.hf_names(u.layer, u.expert), u.rule.hf_shapes(unit_shape, cfg)):
             if hf_name not in reader:
-                raise ConversionError(f"{src}: tensor {hf_name} (for megatron key {rule.mcore}) is missing")
+                raise ConversionError(f"{src}: tensor {hf_name} (for megatron key {u.key}) is missing")
             got = reader.shape(hf_name)
             if got != expected:
                 raise ConversionError(
                     f"{src / CONFIG_FILE} does not match the weights: {hf_name} in {reader.info(hf_name).file.name} "
-                    f"has shape {got}, the config implies {expected} (megatron key {rule.mcore})"
+                    f"has shape {got}, the config implies {expected} (megatron key {u.key})"
                 )
             used.add(hf_name)
     unused = sorted(set(reader.tensors) - used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
@@ -160,22 +199,22 @@ def hf_to_mcore(
         logger.warning("%d HF tensors are not converted: %s", len(unused), ", ".join(unused[:8]))
     out_dtype = parse_dtype(dtype) or reader.info(rules[0].hf_names(None)[0]).dtype
 
-    chunks = []
-    for key, shape in template.tensors.items():
-        if key in template.layered:
-            chunks += [Chunk(key, shape, (i,) + (0,) * (len(shape) - 1), (1, *shape[1:]), out_dtype)
-                       for i in range(shape[0])]  # fmt: skip
-        else:
-            chunks.append(Chunk(key, shape, (0,) * len(shape), shape, out_dtype))
-    by_key = {r.mcore: r for r in rules}
+    chunks, by_chunk = [], {}
+    for u in plan:
+        shape = template.tensors[u.key]
+        n = len(u.prefix)
+        c = Chunk(
+            u.key, shape, u.prefix + (0,) * (len(shape) - n), (1,) * n + shape[n:], u.rule.dtype or out_dtype
+        )
+        chunks.append(c)
+        by_chunk[(c.key, c.offsets)] = u
     bar = tqdm(total=len(chunks), unit="tensor", desc="hf-to-mcore", disable=not progress)
 
     def compute(chunk: Chunk) -> torch.Tensor:
-        rule = by_key[chunk.key]
-        layer = chunk.offsets[0] if rule.layered else None
-        t = rule.to_mcore([reader.read(n) for n in rule.hf_names(layer)], cfg, padded)
+        u = by_chunk[(chunk.key, chunk.offsets)]
+        t = u.rule.to_mcore([reader.read(n) for n in u.rule.hf_names(u.layer, u.expert)], cfg, padded)
         bar.update(1)
-        return t.unsqueeze(0) if rule.layered else t
+        return t.reshape(chunk.sizes)
 
     name = name or model_name(src)
     with atomic_output_dir(out, force) as tmp:
@@ -186,8 +225,8 @@ def hf_to_mcore(
         meta: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "step": 0,
-            "layout": None,  # layout-free: global tensors, loadable with any TP / PP
-            "target_layout": {"tp": tp, "pp": pp},
+            "layout": None,  # layout-free: global tensors, loadable with any TP / PP / EP
+            "target_layout": {"tp": tp, "pp": pp, **({"ep": ep} if cfg.moe is not None else {})},
             "time": time.time(),
             "foundation": foundation_to_dict(cfg),
             "hf_config": reader.config,
@@ -200,17 +239,32 @@ def hf_to_mcore(
         command += f" data.tokenizer={out}"
     if tp > 1 or pp > 1:
         command += f" parallel.tp={tp} parallel.pp={pp}"
+    if ep > 1:
+        command += f" parallel.ep={ep}"
     res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(chunks), command, name)
-    logger.info("wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(chunks), res.seconds, res.peak_rss_mib)
+    logger.info(
+        "wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(chunks), res.seconds, res.peak_rss_mib
+    )
     return res
 
 
-def _check_rules_cover(tensors: dict[str, tuple[int, ...]], rules: list[Rule], family: str) -> None:
-    keys = {r.mcore for r in rules}
-    if missing := sorted(set(tensors) - keys):
+def _check_rules_cover(tensors: dict[str, tuple[int, ...]], plan: list[Unit], family: str) -> None:
+    """The rules account for every tensor of the model, and every stacked axis is filled."""
+    if missing := sorted(set(tensors) - {u.key for u in plan}):
         raise ConversionError(f"family {family}: no mapping rule for megatron keys {missing}")
-    if extra := sorted(keys - set(tensors)):
-        raise ConversionError(f"family {family}: rules name megatron keys the model does not have: {extra}")
+    filled: dict[str, set[tuple[int, ...]]] = {}
+    for u in plan:
+        filled.setdefault(u.key, set()).add(u.prefix)
+    for key, prefixes in filled.items():
+        n = len(next(iter(prefixes)))
+        expected = 1
+        for s in tensors[key][:n]:
+            expected *= s
+        if len(prefixes) != expected:
+            raise ConversionError(
+                f"family {family}: the rules give {len(prefixes)} of the {expected} tensors stacked in {key} "
+                f"{tensors[key][:n]}"
+            )
 
 
 def _checkpoint_foundation(src: Path, foundation: FoundationConfig | None) -> tuple[FoundationConfig, dict]:
@@ -251,29 +305,27 @@ def mcore_to_hf(
     lora = meta.get("lora")
     base = _lora_base(src, lora) if lora else src
     rules = [r for r in get_mapping(cfg.family).rules if r.applies(cfg)]
-    groups = _groups(rules, cfg.num_layers)
     out_dtype = parse_dtype(dtype)
     if is_hf_dir(base):  # a LoRA run that started from HF weights
-        read_group, plan = _hf_base(base, cfg, rules, groups, out_dtype)
+        plan_u, plan, final_dtype, read_group = _hf_base(base, cfg, rules, out_dtype)
     else:
-        read_group, plan = _mcore_base(base, cfg, rules, groups, out_dtype)
+        plan_u, plan, final_dtype, read_group = _mcore_base(base, cfg, rules, out_dtype)
     merge = _LoraMerge(src, lora) if lora else None
-    final_dtype = plan[0][2]
     tok_src = tokenizer or base
     with atomic_output_dir(out, force) as tmp:
         writer = SafetensorsWriter(tmp, plan, max_shard_bytes)
         bar = tqdm(total=len(plan), unit="tensor", desc="mcore-to-hf", disable=not progress)
         try:
-            # One read per layer (every key of that layer), then the non-layer tensors.
-            current, buffers = None, {}
-            for rule, layer in groups:
-                if layer != current or not buffers:
-                    current, buffers = layer, read_group(layer)
-                    if merge:
-                        merge(buffers, layer)
-                for n, t in zip(rule.hf_names(layer), rule.to_hf(buffers[rule.mcore], cfg)):
-                    writer.write(n, t.to(out_dtype or t.dtype))
-                    bar.update(1)
+            # One read per group: the non-layer tensors, each layer's own tensors, each of its experts.
+            for group in _consecutive(plan_u):
+                buffers = read_group(group)
+                if merge:
+                    merge(buffers, group)
+                for u in group:
+                    keep = u.rule.dtype is not None or out_dtype is None
+                    for n, t in zip(u.rule.hf_names(u.layer, u.expert), u.rule.to_hf(buffers[u.key], cfg)):
+                        writer.write(n, t if keep else t.to(out_dtype))
+                        bar.update(1)
             writer.close()
         finally:
             writer.abort()
@@ -284,47 +336,59 @@ def mcore_to_hf(
         copy_tokenizer_files(tok_src, tmp)
         _write_atomic(tmp / CONFIG_FILE, json.dumps(hf_cfg, indent=2) + "\n")
     res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(plan))
-    logger.info("wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(plan), res.seconds, res.peak_rss_mib)
+    logger.info(
+        "wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(plan), res.seconds, res.peak_rss_mib
+    )
     return res
 
 
-def _mcore_base(src: Path, cfg: FoundationConfig, rules: list[Rule], groups, out_dtype):
-    """(layer -> {megatron key: global tensor}, HF write plan) for a megatron checkpoint."""
+def _mcore_base(src: Path, cfg: FoundationConfig, rules: list[Rule], out_dtype):
+    """(units, HF write plan, output dtype, group -> {key: tensor}) for a megatron checkpoint."""
     stored = read_metadata(src)
-    layer_shapes: dict[str, tuple[int, ...]] = {}
-    for r in rules:
-        if r.mcore not in stored:
-            raise ConversionError(f"{src}: megatron key {r.mcore} is missing from the checkpoint")
-        shape = tuple(stored[r.mcore].size)
-        if r.layered and shape[0] != cfg.num_layers:
-            raise ConversionError(f"{src}: {r.mcore} holds {shape[0]} layers, the model config has {cfg.num_layers}")
-        layer_shapes[r.mcore] = _layer_shape(r.mcore, shape, r.layered)
+    plan_u = plan_units(rules, cfg, stored, f"{src} does not match its model config;")
+    unit_shapes: dict[str, tuple[int, ...]] = {}
+    for u in plan_u:
+        shape = tuple(stored[u.key].size)
+        if len(shape) < len(u.prefix) or any(i >= n for i, n in zip(u.prefix, shape)):
+            what = "layers / experts" if u.expert is not None else "layers"
+            raise ConversionError(
+                f"{src}: {u.key} has shape {shape}, too few {what} for layer {u.layer}"
+                + (f" expert {u.expert}" if u.expert is not None else "")
+                + f" of the model config ({cfg.num_layers} layers)"
+            )
+        unit_shapes[u.key] = shape[len(u.prefix) :]
     plan = []
-    for rule, layer in groups:
-        dt = out_dtype or stored[rule.mcore].properties.dtype
-        for n, s in zip(rule.hf_names(layer), rule.hf_shapes(layer_shapes[rule.mcore], cfg)):
-            plan.append((n, s, dt))
-    return (lambda layer: _read_group(src, rules, layer, layer_shapes, stored)), plan
+    for u in plan_u:
+        dt = out_dtype if out_dtype is not None and u.rule.dtype is None else stored[u.key].properties.dtype
+        for n, sh in zip(u.rule.hf_names(u.layer, u.expert), u.rule.hf_shapes(unit_shapes[u.key], cfg)):
+            plan.append((n, sh, dt))
+    final_dtype = out_dtype or stored[plan_u[0].key].properties.dtype
+    return plan_u, plan, final_dtype, (lambda group: _read_units(src, group, unit_shapes, stored))
 
 
-def _hf_base(src: Path, cfg: FoundationConfig, rules: list[Rule], groups, out_dtype):
-    """The same for an HF directory (LoRA base weights): read and map to megatron's layout."""
+def _hf_base(src: Path, cfg: FoundationConfig, rules: list[Rule], out_dtype):
+    """The same for an HF directory (LoRA base weights), read and mapped to megatron's layout.
+    Units are keyed as a uniform decoder stores them (stacked layers)."""
     reader = HFReader(src)
     if not same_architecture(from_hf_config(reader.config, str(src / CONFIG_FILE)), cfg):
         raise ConversionError(f"{src / CONFIG_FILE} (the LoRA base) describes a different model than the checkpoint")
+    plan_u = [Unit(r, layer, expert, r.mcore, tuple(i for i in (layer, expert) if i is not None))
+              for r, layer, expert in units(rules, cfg)]  # fmt: skip
     plan = []
-    for rule, layer in groups:
-        for n in rule.hf_names(layer):
+    for u in plan_u:
+        for n in u.rule.hf_names(u.layer, u.expert):
             if n not in reader:
-                raise ConversionError(f"{src}: tensor {n} (for megatron key {rule.mcore}) is missing")
-            plan.append((n, reader.shape(n), out_dtype or reader.info(n).dtype))
+                raise ConversionError(f"{src}: tensor {n} (for megatron key {u.rule.mcore}) is missing")
+            dt = out_dtype if out_dtype is not None and u.rule.dtype is None else reader.info(n).dtype
+            plan.append((n, reader.shape(n), dt))
+    final_dtype = out_dtype or plan[0][2]
     padded = cfg.padded_vocab_size()
 
-    def read_group(layer: int | None) -> dict[str, torch.Tensor]:
-        return {r.mcore: r.to_mcore([reader.read(n) for n in r.hf_names(layer)], cfg, padded)
-                for r in rules if (layer is None) != r.layered}  # fmt: skip
+    def read_group(group: list[Unit]) -> dict[str, torch.Tensor]:
+        return {u.key: u.rule.to_mcore([reader.read(n) for n in u.rule.hf_names(u.layer, u.expert)], cfg, padded)
+                for u in group}  # fmt: skip
 
-    return read_group, plan
+    return plan_u, plan, final_dtype, read_group
 
 
 def _lora_base(src: Path, lora: dict) -> Path:
@@ -339,9 +403,8 @@ def _lora_base(src: Path, lora: dict) -> Path:
 
 
 class _LoraMerge:
-    """Adds ``scale * B @ A`` of a LoRA checkpoint to the base tensors it adapts, layer by layer."""
-
-    SUFFIXES = (".lora_a", ".lora_b")
+    """Adds ``scale * B @ A`` of a LoRA checkpoint to the base tensors it adapts, group by group.
+    An adapter pair is stored like its base weight (same key stem, same stacked layer axis)."""
 
     def __init__(self, src: Path, lora: dict) -> None:
         self.src, self.scale = src, float(lora["alpha"]) / int(lora["rank"])
@@ -351,27 +414,27 @@ class _LoraMerge:
                         and not k.startswith("optimizer.")}  # fmt: skip
         self.merged: set[str] = set()
 
-    def __call__(self, buffers: dict[str, torch.Tensor], layer: int | None) -> None:
-        regions = {}
-        for key in buffers:
-            stem = key.removesuffix(".weight")
-            if stem in self.adapted:
-                for k in (stem + ".lora_a", stem + ".lora_b"):
-                    meta = self.stored[k]
-                    shape = tuple(meta.size)
-                    off = (layer,) + (0,) * (len(shape) - 1) if layer is not None else (0,) * len(shape)
-                    buf = torch.empty(1, *shape[1:]) if layer is not None else torch.empty(*shape)
-                    regions[k] = (off, buf.to(meta.properties.dtype))
+    def __call__(self, buffers: dict[str, torch.Tensor], group: list[Unit]) -> None:
+        regions, targets = {}, []
+        for u in group:
+            stem = u.key.removesuffix(".weight")
+            if u.expert is not None or stem == u.key or stem not in self.adapted:
+                continue
+            targets.append((u, stem))
+            for k in (stem + ".lora_a", stem + ".lora_b"):
+                meta, n = self.stored[k], len(u.prefix)
+                shape = tuple(meta.size)
+                regions[k] = (u.prefix + (0,) * (len(shape) - n),
+                              torch.empty(*(1,) * n, *shape[n:], dtype=meta.properties.dtype))  # fmt: skip
         read_regions(self.src, regions)
-        for stem in {k.rsplit(".", 1)[0] for k in regions}:
-            a, b = (regions[stem + s][1] for s in self.SUFFIXES)
-            if layer is not None:
-                a, b = a[0], b[0]
-            w = buffers[stem + ".weight"]
+        for u, stem in targets:
+            n = len(u.prefix)
+            a, b = (regions[stem + s][1].reshape(regions[stem + s][1].shape[n:]) for s in (".lora_a", ".lora_b"))
+            w = buffers[u.key]
             if (b.shape[0], a.shape[1]) != tuple(w.shape):
                 raise ConversionError(f"{self.src}: LoRA {stem} is {tuple(b.shape)} @ {tuple(a.shape)}, "
                                       f"the base weight {tuple(w.shape)}")  # fmt: skip
-            buffers[stem + ".weight"] = (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
+            buffers[u.key] = (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
             self.merged.add(stem)
 
     def check_all_merged(self) -> None:
@@ -379,15 +442,21 @@ class _LoraMerge:
             raise ConversionError(f"{self.src}: LoRA adapters without a base weight to merge into: {missed}")
 
 
-def _read_group(src: Path, rules: list[Rule], layer: int | None, layer_shapes, stored) -> dict[str, torch.Tensor]:
+def _consecutive(plan: list[Unit]) -> Iterator[list[Unit]]:
+    group: list[Unit] = []
+    for u in plan:
+        if group and (group[-1].layer, group[-1].expert) != (u.layer, u.expert):
+            yield group
+            group = []
+        group.append(u)
+    if group:
+        yield group
+
+
+def _read_units(src: Path, group: list[Unit], unit_shapes, stored) -> dict[str, torch.Tensor]:
     regions = {}
-    for r in rules:
-        if (layer is None) == r.layered:
-            continue
-        shape, dt = layer_shapes[r.mcore], stored[r.mcore].properties.dtype
-        if r.layered:
-            regions[r.mcore] = ((layer,) + (0,) * len(shape), torch.empty(1, *shape, dtype=dt))
-        else:
-            regions[r.mcore] = ((0,) * len(shape), torch.empty(*shape, dtype=dt))
+    for u in group:
+        shape, dt, n = unit_shapes[u.key], stored[u.key].properties.dtype, len(u.prefix)
+        regions[u.key] = (u.prefix + (0,) * len(shape), torch.empty(*(1,) * n, *shape, dtype=dt))
     read_regions(src, regions)
-    return {k: (buf[0] if layer is not None else buf) for k, (_, buf) in regions.items()}
+    return {u.key: regions[u.key][1].reshape(unit_shapes[u.key]) for u in group}

@@ -1,23 +1,42 @@
 """Per-family mappings: declarations only, registered against loong_models' family names.
 
 Adding a family means adding a :class:`FamilyMapping` to :data:`MAPPINGS` (and the family itself to
-``loong_models.FAMILIES``). Rules whose megatron key the model does not have (e.g. ``output_layer``
-of a model with tied embeddings, QKV bias of a family without one) are skipped, so a family can
-list everything its variants may hold.
+``loong_models.FAMILIES``). Tensors only some variants have carry a ``when=`` predicate on the
+config (``output_layer`` without tied embeddings, shared experts, the expert bias), tensors only
+some layers have an ``on_layer=`` one (dense MLP on the first k layers, router and experts on the
+rest); the converter checks that the applicable rules cover the built model exactly.
 """
 
 from __future__ import annotations
 
+import torch
+
 from loong_ckpt.mapping import GATE_UP, QKV, FamilyMapping, Rule, Split
-from loong_models import FAMILIES
+from loong_models import FAMILIES, FoundationConfig
 
 _L = "decoder.layers."
 _H = "model.layers.{i}."
+_E = _H + "mlp.experts.{e}."
 
-# The dense pre-norm decoder (RMSNorm, GQA attention, SwiGLU MLP) shared by Llama and Qwen.
-DENSE_DECODER: tuple[Rule, ...] = (
+
+def _dense_mlp_layer(c: FoundationConfig, i: int) -> bool:
+    return c.moe is None or i < c.moe.first_k_dense
+
+
+def _moe_layer(c: FoundationConfig, i: int) -> bool:
+    return c.moe is not None and i >= c.moe.first_k_dense
+
+
+EMBEDDING_AND_HEAD: tuple[Rule, ...] = (
     Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB),
-    Rule(_L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",), Split.REPLICATED),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
+    Rule("output_layer.weight", ("lm_head.weight",), Split.VOCAB, when=lambda c: not c.tie_word_embeddings),
+)
+
+GQA_ATTENTION: tuple[Rule, ...] = (
+    Rule(
+        _L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",), Split.REPLICATED
+    ),
     Rule(
         _L + "self_attention.linear_qkv.weight",
         (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
@@ -25,12 +44,55 @@ DENSE_DECODER: tuple[Rule, ...] = (
         QKV,
     ),
     Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Split.ROW),
-    Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), Split.REPLICATED),
-    Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), Split.COLUMN, GATE_UP),
-    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Split.ROW),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED),
-    Rule("output_layer.weight", ("lm_head.weight",), Split.VOCAB, when=lambda c: not c.tie_word_embeddings),
 )
+
+# The pre-MLP norm (every layer, dense or MoE) and the dense SwiGLU MLP (dense layers only).
+DENSE_MLP: tuple[Rule, ...] = (
+    Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), Split.REPLICATED,
+         aliases=(_L + "pre_mlp_layernorm.weight",)),  # a separate norm: MoE layers with TE, MLA layers locally
+    Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), Split.COLUMN, GATE_UP,
+         on_layer=_dense_mlp_layer),
+    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Split.ROW, on_layer=_dense_mlp_layer),
+)  # fmt: skip
+
+# The dense pre-norm decoder (RMSNorm, GQA attention, SwiGLU MLP) shared by Llama and Qwen.
+DENSE_DECODER: tuple[Rule, ...] = EMBEDDING_AND_HEAD + GQA_ATTENTION + DENSE_MLP
+
+# Multi-latent attention (DeepSeek-V2/V3), megatron's MLASelfAttention. Megatron applies RoPE to
+# the de-interleaved rope dims (mla_rotary_interleaved), exactly as HF's rope_interleave=True does,
+# so the rope rows of q_b_proj / kv_a_proj_with_mqa need no permutation.
+MLA_ATTENTION: tuple[Rule, ...] = (
+    Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Split.REPLICATED),
+    Rule(_L + "self_attention.linear_q_proj.weight", (_H + "self_attn.q_proj.weight",), Split.COLUMN,
+         when=lambda c: c.mla.q_lora_rank is None),
+    Rule(_L + "self_attention.linear_q_down_proj.weight", (_H + "self_attn.q_a_proj.weight",), Split.COLUMN,
+         when=lambda c: c.mla.q_lora_rank is not None),
+    Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_a_layernorm.weight",), Split.REPLICATED,
+         when=lambda c: c.mla.q_lora_rank is not None, aliases=(_L + "self_attention.linear_q_up_proj.layer_norm_weight",)),
+    Rule(_L + "self_attention.linear_q_up_proj.weight", (_H + "self_attn.q_b_proj.weight",), Split.COLUMN,
+         when=lambda c: c.mla.q_lora_rank is not None),
+    Rule(_L + "self_attention.linear_kv_down_proj.weight", (_H + "self_attn.kv_a_proj_with_mqa.weight",), Split.COLUMN),
+    Rule(_L + "self_attention.kv_layernorm.weight", (_H + "self_attn.kv_a_layernorm.weight",), Split.REPLICATED,
+         aliases=(_L + "self_attention.linear_kv_up_proj.layer_norm_weight",)),
+    Rule(_L + "self_attention.linear_kv_up_proj.weight", (_H + "self_attn.kv_b_proj.weight",), Split.COLUMN),
+    Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Split.ROW),
+)  # fmt: skip
+
+# MoE layers: router (+ DeepSeek-V3's score-correction bias, megatron's fp32 expert_bias), routed
+# experts (one HF tensor set per expert, megatron's expert axis) and shared experts.
+MOE_MLP: tuple[Rule, ...] = (
+    Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), Split.REPLICATED, on_layer=_moe_layer),
+    Rule(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",), Split.REPLICATED,
+         when=lambda c: c.moe.expert_bias, on_layer=_moe_layer, dtype=torch.float32),
+    Rule(_L + "mlp.experts.experts.linear_fc1.weight", (_E + "gate_proj.weight", _E + "up_proj.weight"), Split.COLUMN,
+         GATE_UP, on_layer=_moe_layer),
+    Rule(_L + "mlp.experts.experts.linear_fc2.weight", (_E + "down_proj.weight",), Split.ROW, on_layer=_moe_layer),
+    Rule(_L + "mlp.shared_experts.linear_fc1.weight",
+         (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"), Split.COLUMN, GATE_UP,
+         when=lambda c: bool(c.moe.shared_expert_intermediate_size), on_layer=_moe_layer),
+    Rule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_experts.down_proj.weight",), Split.ROW,
+         when=lambda c: bool(c.moe.shared_expert_intermediate_size), on_layer=_moe_layer),
+)  # fmt: skip
 
 QKV_BIAS: tuple[Rule, ...] = (
     Rule(
@@ -52,6 +114,8 @@ MAPPINGS: dict[str, FamilyMapping] = {
         FamilyMapping("llama", DENSE_DECODER),
         FamilyMapping("qwen2", DENSE_DECODER + QKV_BIAS),
         FamilyMapping("qwen3", DENSE_DECODER + QK_NORM),
+        FamilyMapping("qwen3-moe", DENSE_DECODER + QK_NORM + MOE_MLP),
+        FamilyMapping("deepseek-v3", EMBEDDING_AND_HEAD + MLA_ATTENTION + DENSE_MLP + MOE_MLP),
     )
 }
 
@@ -68,3 +132,14 @@ def get_mapping(family: str) -> FamilyMapping:
 def supported_architectures() -> dict[str, str]:
     """HF ``architectures`` entry -> loong family, for every family with a mapping."""
     return {arch: name for name, fam in FAMILIES.items() if name in MAPPINGS for arch in fam.hf_architectures}
+
+
+def key_aliases() -> dict[str, tuple[str, ...]]:
+    """Megatron key -> the other keys the same tensor has under another layer spec (every family)."""
+    out: dict[str, set[str]] = {}
+    for fam in MAPPINGS.values():
+        for r in fam.rules:
+            names = {r.mcore, *r.aliases}
+            for n in names if r.aliases else ():
+                out.setdefault(n, set()).update(names - {n})
+    return {k: tuple(sorted(v)) for k, v in out.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from loong_ckpt.families import supported_architectures
 from loong_models import FoundationConfig, RopeScaling, get_family
+from loong_models.foundation import MLAConfig, MoEConfig
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -42,43 +44,152 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
+class _Keys:
+    """Reads an HF config dict; ``need`` rejects values Loong cannot represent, naming the key."""
+
+    def __init__(self, hf: dict[str, Any], source: str, family: str) -> None:
+        self.hf, self.source, self.family = hf, source, family
+
+    def get(self, *keys: str, default: Any = None) -> Any:
+        for k in keys:
+            if self.hf.get(k) is not None:
+                return self.hf[k]
+        return default
+
+    def need(self, key: str, allowed: Any, default: Any = None, why: str = "") -> None:
+        value = self.hf.get(key, default)
+        if value != allowed:
+            raise ConversionError(
+                f"{self.source}: {key}={value!r} is not supported for {self.family}; allowed: {allowed!r}"
+                + (f" ({why})" if why else "")
+            )
+
+    def fail(self, key: str, why: str) -> ConversionError:
+        return ConversionError(
+            f"{self.source}: {key}={self.hf.get(key)!r} is not supported for {self.family}: {why}"
+        )
+
+
+def _gqa_fields(k: _Keys) -> dict[str, Any]:
+    heads = k.hf["num_attention_heads"]
+    if "attention_bias" in k.hf:
+        k.need("attention_bias", get_family(k.family).qkv_bias)
+    return {"num_query_groups": k.get("num_key_value_heads", default=heads),
+            "kv_channels": k.get("head_dim", default=k.hf["hidden_size"] // heads)}  # fmt: skip
+
+
+def _mla_fields(k: _Keys) -> dict[str, Any]:
+    k.need("attention_bias", False, False)
+    # megatron's MLA rotates de-interleaved rope dims, which is HF's rope_interleave=True
+    k.need("rope_interleave", True, True, "megatron's MLA applies RoPE to interleaved rope dims")
+    if k.hf.get("q_lora_rank") is None:
+        # the mapping has the rule (q_proj -> linear_q_proj), but loong_models builds MLA without a
+        # query latent with the TE spec only, and conversion builds the local one
+        raise k.fail("q_lora_rank", "MLA without a query latent builds in loong_models with the TE spec only")
+    mla = MLAConfig(
+        q_lora_rank=k.hf.get("q_lora_rank"),
+        kv_lora_rank=k.hf["kv_lora_rank"],
+        qk_head_dim=k.hf["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=k.hf["qk_rope_head_dim"],
+        v_head_dim=k.hf["v_head_dim"],
+    )
+    return {"num_query_groups": None, "kv_channels": None, "mla": mla}
+
+
+_ATTENTION_FROM_HF: dict[str, Callable[[_Keys], dict[str, Any]]] = {"gqa": _gqa_fields, "mla": _mla_fields}
+
+
+def _qwen3_moe_from_hf(k: _Keys) -> MoEConfig:
+    experts = k.get("num_experts", "num_local_experts")
+    # megatron renormalises the top-k probabilities (softmax over the top-k logits)
+    k.need("norm_topk_prob", True, False, "megatron's softmax router renormalises the top-k probabilities")
+    n = k.hf["num_hidden_layers"]
+    step, only = k.get("decoder_sparse_step", default=1), list(k.get("mlp_only_layers", default=[]))
+    dense = [i for i in range(n) if i in only or (i + 1) % step != 0]
+    if dense != list(range(len(dense))):
+        raise k.fail(
+            "mlp_only_layers",
+            f"dense layers {dense} with decoder_sparse_step={step}; only the first k layers may be dense",
+        )
+    return MoEConfig(
+        num_experts=experts, router_topk=k.hf["num_experts_per_tok"], ffn_hidden_size=k.hf["moe_intermediate_size"],
+        first_k_dense=len(dense), score_function="softmax", load_balancing="aux_loss",
+        aux_loss_coeff=float(k.get("router_aux_loss_coef", default=0.001)),
+    )  # fmt: skip
+
+
+def _deepseek_v3_moe_from_hf(k: _Keys) -> MoEConfig:
+    k.need("norm_topk_prob", True, True, "megatron's sigmoid router always renormalises the top-k scores")
+    k.need("scoring_func", "sigmoid", "sigmoid")
+    k.need("topk_method", "noaux_tc", "noaux_tc")
+    k.need("moe_layer_freq", 1, 1)
+    topk, groups, group_topk = (
+        k.hf["num_experts_per_tok"],
+        k.get("n_group", default=1),
+        k.get("topk_group", default=1),
+    )
+    if groups > 1 and topk // group_topk != 2:
+        # HF ranks groups by the sum of their top-2 scores; megatron by the top (topk / group_topk)
+        raise k.fail(
+            "topk_group",
+            f"num_experts_per_tok / topk_group must be 2 (got {topk} / {group_topk}) with n_group > 1",
+        )
+    moe_ffn, shared = k.hf["moe_intermediate_size"], k.get("n_shared_experts", default=0)
+    return MoEConfig(
+        num_experts=k.hf["n_routed_experts"], router_topk=topk, ffn_hidden_size=moe_ffn,
+        shared_expert_intermediate_size=moe_ffn * shared if shared else None,
+        first_k_dense=k.get("first_k_dense_replace", default=0), score_function="sigmoid",
+        topk_scaling_factor=float(k.get("routed_scaling_factor", default=1.0)),
+        num_groups=groups if groups > 1 else None, group_topk=group_topk if groups > 1 else None,
+        # DeepSeek-V3's aux-loss-free balancing (expert bias) plus its small sequence-wise aux loss
+        expert_bias=True, bias_update_rate=1e-3, load_balancing="seq_aux_loss", aux_loss_coeff=1e-4,
+    )  # fmt: skip
+
+
+# HF config.json -> MoEConfig, per family (the HF key names differ between model types).
+_MOE_FROM_HF: dict[str, Callable[[_Keys], MoEConfig]] = {
+    "qwen3-moe": _qwen3_moe_from_hf,
+    "deepseek-v3": _deepseek_v3_moe_from_hf,
+}
+
+
 def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> FoundationConfig:
     """The Loong foundation config of an HF model; unsupported features raise naming the key."""
     family = family_of(hf, source)
     fam = get_family(family)
-
-    def need(key: str, allowed: Any, default: Any = None) -> None:
-        value = hf.get(key, default)
-        if value != allowed:
-            raise ConversionError(f"{source}: {key}={value!r} is not supported for {family}; allowed: {allowed!r}")
-
-    need("hidden_act", "silu", "silu")
-    need("mlp_bias", False, False)
-    if "attention_bias" in hf:
-        need("attention_bias", fam.qkv_bias)
-    need("use_sliding_window", False, False)
+    k = _Keys(hf, source, family)
+    k.need("hidden_act", "silu", "silu")
+    k.need("mlp_bias", False, False)
+    k.need("use_sliding_window", False, False)
     theta, scaling = _rope(hf)
     rope_scaling = None
     if scaling is not None:
-        if scaling.get("type") != "llama3":
-            raise ConversionError(f"{source}: rope type {scaling.get('type')!r} is not supported; allowed: llama3")
+        if scaling.get("type") != "llama3" or fam.attention == "mla":
+            allowed = "default" if fam.attention == "mla" else "llama3"
+            raise ConversionError(
+                f"{source}: rope type {scaling.get('type')!r} is not supported; allowed: {allowed}"
+            )
         rope_scaling = RopeScaling(**{k: v for k, v in scaling.items() if k in _ROPE_FIELDS})
-    heads = hf["num_attention_heads"]
+    moe = None
+    if fam.moe != "never":
+        if family not in _MOE_FROM_HF:
+            raise ConversionError(f"{source}: no HF MoE config reader for family {family}")
+        moe = _MOE_FROM_HF[family](k)
     cfg = FoundationConfig(
         family=family,
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         ffn_hidden_size=hf["intermediate_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        num_attention_heads=hf["num_attention_heads"],
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         rotary_base=theta,
         rope_scaling=rope_scaling,
+        moe=moe,
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_method_std=hf.get("initializer_range", 0.02),
+        **_ATTENTION_FROM_HF[fam.attention](k),
     )
     try:
         cfg.validate()
@@ -92,18 +203,36 @@ _ROPE_FIELDS = {f.name for f in dataclasses.fields(RopeScaling)}
 ARCH_FIELDS = (
     "family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "vocab_size", "max_position_embeddings", "rotary_base", "rope_scaling", "norm_epsilon",
-    "tie_word_embeddings",
+    "tie_word_embeddings", "mla", "moe",
+)  # fmt: skip
+# The MoEConfig fields that are architecture (the rest are training knobs: balancing loss, capacity).
+MOE_ARCH_FIELDS = (
+    "num_experts", "router_topk", "ffn_hidden_size", "shared_expert_intermediate_size", "first_k_dense",
+    "score_function", "topk_scaling_factor", "num_groups", "group_topk", "expert_bias",
 )  # fmt: skip
 
 
+def _arch_dict(c: FoundationConfig) -> dict[str, Any]:
+    d = {k: v for k, v in dataclasses.asdict(c).items() if k in ARCH_FIELDS}
+    d["num_query_groups"], d["kv_channels"] = c.query_groups, c.head_dim
+    if c.moe is not None:
+        d["moe"] = {k: getattr(c.moe, k) for k in MOE_ARCH_FIELDS}
+    return d
+
+
 def same_architecture(a: FoundationConfig, b: FoundationConfig) -> bool:
-    da, db = dataclasses.asdict(a), dataclasses.asdict(b)
-    da["num_query_groups"], db["num_query_groups"] = a.query_groups, b.query_groups
-    da["kv_channels"], db["kv_channels"] = a.head_dim, b.head_dim
-    return all(da[k] == db[k] for k in ARCH_FIELDS)
+    return _arch_dict(a) == _arch_dict(b)
 
 
-def to_hf_config(cfg: FoundationConfig, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:
+def arch_diff(a: FoundationConfig, b: FoundationConfig) -> list[str]:
+    """``key: a != b`` for each architecture field that differs."""
+    da, db = _arch_dict(a), _arch_dict(b)
+    return [f"{k}: {da[k]!r} != {db[k]!r}" for k in ARCH_FIELDS if da[k] != db[k]]
+
+
+def to_hf_config(
+    cfg: FoundationConfig, dtype: torch.dtype, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """config.json for ``cfg``. ``base`` (the HF config the weights came from, when known) is
     returned unchanged if it describes the same architecture, so HF -> Loong -> HF keeps it whole."""
     if base is not None:
@@ -124,8 +253,6 @@ def to_hf_config(cfg: FoundationConfig, dtype: torch.dtype, base: dict[str, Any]
         "intermediate_size": cfg.ffn_hidden_size,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.query_groups,
-        "head_dim": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.norm_epsilon,
@@ -135,9 +262,70 @@ def to_hf_config(cfg: FoundationConfig, dtype: torch.dtype, base: dict[str, Any]
         "initializer_range": cfg.init_method_std,
         "dtype": _DTYPE_NAMES.get(dtype, "float32"),
     }
-    if fam.hf_model_type != "qwen2":  # Qwen2 has the bias built in, without a switch
-        out["attention_bias"] = fam.qkv_bias
+    if cfg.mla is None:
+        out.update(num_key_value_heads=cfg.query_groups, head_dim=cfg.head_dim)
+        if fam.hf_model_type != "qwen2":  # Qwen2 has the bias built in, without a switch
+            out["attention_bias"] = fam.qkv_bias
+    else:
+        m = cfg.mla
+        out.update(
+            num_key_value_heads=cfg.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+            qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+            head_dim=m.qk_pos_emb_head_dim, rope_interleave=True, attention_bias=False,
+        )  # fmt: skip
+    if cfg.moe is not None:
+        out.update(_MOE_TO_HF[cfg.family](cfg, cfg.moe))
     return out
+
+
+def _qwen3_moe_to_hf(cfg: FoundationConfig, moe: MoEConfig) -> dict[str, Any]:
+    _expressible(cfg, score_function="softmax", expert_bias=False, shared_expert_intermediate_size=None,
+                 topk_scaling_factor=None, num_groups=None)  # fmt: skip
+    return {
+        "num_experts": moe.num_experts, "num_experts_per_tok": moe.router_topk,
+        "moe_intermediate_size": moe.ffn_hidden_size, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(moe.first_k_dense)), "router_aux_loss_coef": moe.aux_loss_coeff,
+    }  # fmt: skip
+
+
+def _deepseek_v3_moe_to_hf(cfg: FoundationConfig, moe: MoEConfig) -> dict[str, Any]:
+    _expressible(cfg, score_function="sigmoid", expert_bias=True)
+    shared = moe.shared_expert_intermediate_size or 0
+    if shared % moe.ffn_hidden_size:
+        raise ConversionError(
+            f"model.foundation.moe.shared_expert_intermediate_size={shared} is not a multiple of "
+            f"moe.ffn_hidden_size={moe.ffn_hidden_size}: HF's DeepseekV3Config has n_shared_experts experts of that size"
+        )
+    groups = moe.num_groups or 1
+    if groups > 1 and moe.router_topk // (moe.group_topk or 1) != 2:
+        raise ConversionError(
+            f"model.foundation.moe: router_topk / group_topk must be 2 for HF's DeepSeek-V3 group ranking "
+            f"(got {moe.router_topk} / {moe.group_topk})"
+        )
+    return {
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.router_topk,
+        "moe_intermediate_size": moe.ffn_hidden_size, "n_shared_experts": shared // moe.ffn_hidden_size,
+        "first_k_dense_replace": moe.first_k_dense, "routed_scaling_factor": moe.topk_scaling_factor or 1.0,
+        "n_group": groups, "topk_group": moe.group_topk or 1, "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0,  # MTP layers are not converted
+    }  # fmt: skip
+
+
+def _expressible(cfg: FoundationConfig, **required: Any) -> None:
+    assert cfg.moe is not None
+    for key, value in required.items():
+        if getattr(cfg.moe, key) != value:
+            raise ConversionError(
+                f"model.foundation.moe.{key}={getattr(cfg.moe, key)!r} cannot be written as an HF "
+                f"{get_family(cfg.family).hf_architectures[0]} config (it needs {value!r})"
+            )
+
+
+# MoEConfig -> HF config.json keys, per family.
+_MOE_TO_HF: dict[str, Callable[[FoundationConfig, MoEConfig], dict[str, Any]]] = {
+    "qwen3-moe": _qwen3_moe_to_hf,
+    "deepseek-v3": _deepseek_v3_moe_to_hf,
+}
 
 
 def model_name(path: str | Path) -> str:
@@ -157,6 +345,7 @@ def write_model_yaml(cfg: FoundationConfig, configs_dir: Path, name: str) -> tup
     model_yaml.write_text(
         f"# {name}: converted by loong-convert hf-to-mcore\ndefaults:\n  - foundation: {name}\n  - _self_\n"
     )
+    # every moe: field, the training knobs (balancing loss, capacity) included: train reads this file
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k in ARCH_FIELDS}
     fields["make_vocab_size_divisible_by"] = cfg.make_vocab_size_divisible_by
     found_yaml = model_dir / "foundation" / f"{name}.yaml"
@@ -170,7 +359,8 @@ def foundation_to_dict(cfg: FoundationConfig) -> dict[str, Any]:
 
 def foundation_from_dict(d: dict[str, Any]) -> FoundationConfig:
     d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    for key, cls in (("rope_scaling", RopeScaling), ("mla", MLAConfig), ("moe", MoEConfig)):
+        if isinstance(d.get(key), dict):
+            d[key] = cls(**d[key])
     names = {f.name for f in dataclasses.fields(FoundationConfig)}
     return FoundationConfig(**{k: v for k, v in d.items() if k in names})

@@ -1,20 +1,30 @@
 """The one mapping mechanism between HF parameter names and megatron checkpoint keys.
 
 A family's mapping is a list of :class:`Rule` s. Each rule names one megatron checkpoint key (the
-key of the unwrapped GPTModel's ``sharded_state_dict()``; per-layer keys carry no layer index, the
-layer is the tensor's first axis), the HF tensor(s) it is made of (``{i}`` = layer index), a
-:class:`Transform` between the two (identity, QKV fused per KV group, gate/up fused) and how
-tensor parallelism splits it (:class:`Split`).
+key of the unwrapped GPTModel's ``sharded_state_dict()`` without a layer index), the HF tensor(s)
+it is made of (``{i}`` = layer index, ``{e}`` = expert index), a :class:`Transform` between the
+two (identity, QKV fused per KV group, gate/up fused) and how tensor parallelism splits it
+(:class:`Split`).
 
-Everything here works on one layer's tensors. Megatron distributed checkpoints store GLOBAL
+Megatron names per-layer tensors in one of two ways, and both map through the same rule:
+homogeneous decoders stack layers on the tensor's first axis (``decoder.layers.mlp.linear_fc2.weight``,
+shape ``[layers, ...]``); decoders whose layers differ (MoE models with dense first layers, or any
+``moe_layer_freq`` list) index the key (``decoder.layers.3.mlp.linear_fc2.weight``). Routed experts
+add an expert axis (``decoder.layers.3.mlp.experts.experts.linear_fc1.weight``, ``[experts, ...]``,
+global expert ids whatever the expert-parallel layout). :func:`units` lists the (rule, layer,
+expert) tensors a config has; :func:`locate` finds where each one lives among a checkpoint's keys.
+
+Everything here works on one (layer, expert) tensor. Megatron distributed checkpoints store GLOBAL
 (unsharded) tensors, so the offline converter only uses ``to_mcore`` / ``to_hf``; the online
-loader uses :meth:`Rule.tp_shard` to build one tensor-parallel rank's local tensor from HF slices.
+loader uses :meth:`Rule.tp_shard` to build one tensor-parallel rank's local tensor from HF slices
+(each expert-parallel rank only meets, and so only reads, its own experts).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +33,9 @@ import torch
 from loong_models import FoundationConfig
 
 LAYER = "{i}"
+EXPERT = "{e}"
+_LAYERS = "decoder.layers."
+_INDEXED = re.compile(r"^(decoder\.layers\.)(\d+)\.(.+)$")
 
 
 class Split(enum.Enum):
@@ -101,20 +114,38 @@ class Rule:
     transform: Transform = IDENTITY
     # Whether a model of this config has the tensor (e.g. no output layer with tied embeddings).
     when: Callable[[FoundationConfig], bool] | None = None
+    # For per-layer tensors: whether layer i has it (dense MLP vs MoE layers); None = every layer.
+    on_layer: Callable[[FoundationConfig, int], bool] | None = None
+    # Megatron keeps this tensor in one dtype whatever the model's (the router's fp32 expert bias).
+    dtype: torch.dtype | None = None
+    # Other keys megatron gives the same tensor under another layer spec (norms that TE fuses into
+    # the next linear: ``linear_q_up_proj.layer_norm_weight`` for the local ``q_layernorm.weight``).
+    aliases: tuple[str, ...] = ()
 
     def applies(self, cfg: FoundationConfig) -> bool:
         return self.when is None or self.when(cfg)
 
+    def has_layer(self, cfg: FoundationConfig, layer: int) -> bool:
+        return self.on_layer is None or self.on_layer(cfg, layer)
+
     def __post_init__(self) -> None:
         if len(self.hf) != {"qkv": 3, "concat2": 2}.get(self.transform.name, 1):
-            raise ValueError(f"rule {self.mcore}: transform {self.transform.name} does not take {len(self.hf)} tensors")
+            raise ValueError(
+                f"rule {self.mcore}: transform {self.transform.name} does not take {len(self.hf)} tensors"
+            )
 
     @property
     def layered(self) -> bool:
         return LAYER in self.hf[0]
 
-    def hf_names(self, layer: int | None) -> list[str]:
-        return [n.replace(LAYER, str(layer)) for n in self.hf] if self.layered else list(self.hf)
+    @property
+    def expert(self) -> bool:
+        """One tensor per routed expert (megatron: an expert axis; HF: ``{e}`` in the names)."""
+        return EXPERT in self.hf[0]
+
+    def hf_names(self, layer: int | None, expert: int | None = None) -> list[str]:
+        names = [n.replace(LAYER, str(layer)) for n in self.hf] if self.layered else list(self.hf)
+        return [n.replace(EXPERT, str(expert)) for n in names] if self.expert else names
 
     # --- whole (global) tensors: the offline converter -------------------------------------
 
@@ -146,9 +177,11 @@ class Rule:
         tp_rank: int,
         tp_size: int,
         padded_vocab: int,
+        expert: int | None = None,
     ) -> torch.Tensor:
-        """This rank's local tensor, reading only the HF slices it needs."""
-        names = self.hf_names(layer)
+        """This rank's local tensor, reading only the HF slices it needs. For expert rules
+        ``tp_rank`` / ``tp_size`` are the expert-tensor-parallel ones."""
+        names = self.hf_names(layer, expert)
         dim = self.split.dim
         if dim is None or (tp_size == 1 and self.split is not Split.VOCAB):
             return self.to_mcore([reader.read(n) for n in names], cfg, padded_vocab)
@@ -169,9 +202,63 @@ class Rule:
 class SliceReader(Protocol):
     def shape(self, name: str) -> tuple[int, ...]: ...
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
         """HF tensor ``name``, or its ``[start, stop)`` range along ``dim``."""
         ...
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One (layer, expert) tensor of a rule, and where it lives in a checkpoint: ``key`` and the
+    indices of the axes megatron prepends (``prefix``: stacked layer and/or expert)."""
+
+    rule: Rule
+    layer: int | None
+    expert: int | None
+    key: str
+    prefix: tuple[int, ...]
+
+
+def layer_key(mcore: str, layer: int) -> str:
+    """The key megatron gives a per-layer tensor of a decoder with differing layers."""
+    assert mcore.startswith(_LAYERS), mcore
+    return f"{_LAYERS}{layer}.{mcore[len(_LAYERS) :]}"
+
+
+def rule_key(key: str) -> tuple[str, int | None]:
+    """``decoder.layers.3.x`` -> (``decoder.layers.x``, 3); other keys -> (key, None)."""
+    m = _INDEXED.match(key)
+    return (m.group(1) + m.group(3), int(m.group(2))) if m else (key, None)
+
+
+def units(rules: Sequence[Rule], cfg: FoundationConfig) -> Iterator[tuple[Rule, int | None, int | None]]:
+    """Every (rule, layer, expert) tensor of a model of ``cfg``, in HF's usual order: non-layer
+    tensors first, then layer by layer (a layer's own tensors, then its experts one by one)."""
+    num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
+    yield from ((r, None, None) for r in rules if not r.layered)
+    for i in range(cfg.num_layers):
+        here = [r for r in rules if r.layered and r.has_layer(cfg, i)]
+        yield from ((r, i, None) for r in here if not r.expert)
+        for e in range(num_experts):
+            yield from ((r, i, e) for r in here if r.expert)
+
+
+def locate(rule: Rule, layer: int | None, expert: int | None, keys: Collection[str]) -> Unit | None:
+    """Where (rule, layer, expert) lives among checkpoint ``keys`` (indexed or stacked layers)."""
+    for name in (rule.mcore, *rule.aliases):
+        prefix: tuple[int, ...] = ()
+        key = name
+        if layer is not None:
+            indexed = layer_key(name, layer)
+            if indexed in keys:
+                key = indexed
+            else:
+                prefix = (layer,)
+        if key in keys:
+            return Unit(rule, layer, expert, key, prefix + (() if expert is None else (expert,)))
+    return None
 
 
 @dataclass(frozen=True)
@@ -182,4 +269,5 @@ class FamilyMapping:
     rules: tuple[Rule, ...]
 
     def by_mcore_key(self) -> dict[str, Rule]:
-        return {r.mcore: r for r in self.rules}
+        """Every megatron key (aliases included) -> its rule."""
+        return {k: r for r in self.rules for k in (r.mcore, *r.aliases)}

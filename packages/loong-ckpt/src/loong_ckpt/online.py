@@ -1,8 +1,10 @@
 """Online HF I/O for a running job: load HF weights straight into model chunks, export HF weights.
 
 Loading: every rank walks its own chunks' ``sharded_state_dict()`` (so only its pipeline stage's
-layers), finds each key's rule and reads only the slices its tensor-parallel rank holds
-(``safetensors`` ``get_slice``), then copies them into the parameters.
+layers, and only its expert-parallel rank's experts, named by their global expert ids), finds each
+key's rule and reads only the slices its tensor-parallel rank holds (``safetensors``
+``get_slice``; expert tensors by the expert-tensor-parallel rank), then copies them into the
+parameters.
 
 Exporting: the job's megatron checkpoint already holds global tensors, so rank 0 converts the
 checkpoint just saved (streaming, bounded memory) while the other ranks wait; no weights are
@@ -20,6 +22,7 @@ from loong_ckpt.families import get_mapping
 from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, is_hf_dir
 from loong_ckpt.log import logger
+from loong_ckpt.mapping import rule_key
 from loong_ckpt.training import _unwrap
 from loong_models import FoundationConfig
 from loong_models.lora import is_adapter_key
@@ -40,6 +43,8 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
+    from loong_ckpt.convert import check_hf_extras
+
     reader = HFReader(path)
     hf_cfg = from_hf_config(reader.config, str(Path(path) / CONFIG_FILE))
     if not same_architecture(hf_cfg, cfg):
@@ -47,9 +52,11 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
             f"{Path(path) / CONFIG_FILE} describes a different model than model.foundation: "
             f"{_diff(hf_cfg, cfg)}"
         )
+    check_hf_extras(reader, cfg)
     rules = get_mapping(cfg.family).by_mcore_key()
-    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
-    padded = cfg.padded_vocab_size(tp_size)
+    tp = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    etp = mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size()
+    padded = cfg.padded_vocab_size(tp[1])
     loaded = 0
     for chunk in chunks:
         for name, entry in _unwrap(chunk).sharded_state_dict().items():
@@ -57,14 +64,27 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
                 continue
             data = entry.data
             sh = entry.build()[0] if isinstance(entry, ShardedTensorFactory) else entry
-            rule = rules.get(sh.key)
+            key, layer = rule_key(sh.key)
+            rule = rules.get(key)
             if rule is None:
-                raise ConversionError(f"family {cfg.family}: no mapping rule for megatron key {sh.key} ({name})")
-            layer = sh.global_offset[0] if rule.layered else None
-            local = rule.tp_shard(reader, layer, cfg, tp_rank, tp_size, padded)
+                raise ConversionError(
+                    f"family {cfg.family}: no mapping rule for megatron key {sh.key} ({name})"
+                )
+            axis = 0  # the prepended axes: the stacked layer (unless the key is indexed), then the expert
+            if rule.layered and layer is None:
+                layer, axis = sh.global_offset[0], 1
+            expert = sh.global_offset[axis] if rule.expert else None
+            rank, size = etp if rule.expert else tp
+            dim = rule.split.dim
+            if dim is not None and sh.axis_fragmentations[sh.prepend_axis_num + dim] == 1:
+                rank, size = (
+                    0,
+                    1,
+                )  # a linear this layer spec keeps whole on every rank (TE's MLA down projections)
+            local = rule.tp_shard(reader, layer, cfg, rank, size, padded, expert)
             if local.shape != data.shape:
                 raise ConversionError(
-                    f"{path}: {', '.join(rule.hf_names(layer))} give {tuple(local.shape)} for {name}, "
+                    f"{path}: {', '.join(rule.hf_names(layer, expert))} give {tuple(local.shape)} for {name}, "
                     f"the model holds {tuple(data.shape)} on this rank"
                 )
             with torch.no_grad():
@@ -75,10 +95,11 @@ def load_hf_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Founda
 
 
 def _diff(a: FoundationConfig, b: FoundationConfig) -> str:
-    from loong_ckpt.hf_config import ARCH_FIELDS
+    from loong_ckpt.hf_config import arch_diff
 
-    diffs = [f"{k}: {getattr(a, k)!r} (HF) != {getattr(b, k)!r}" for k in ARCH_FIELDS if getattr(a, k) != getattr(b, k)]
-    return "; ".join(diffs) or "head_dim / KV groups differ"
+    return (
+        "; ".join(d.replace(" != ", " (HF) != ", 1) for d in arch_diff(a, b)) or "head_dim / KV groups differ"
+    )
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None) -> Path:

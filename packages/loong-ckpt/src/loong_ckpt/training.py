@@ -76,7 +76,9 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
         raise FileNotFoundError(f"{path} is not a complete Loong checkpoint: {META_FILE} is missing")
     meta = json.loads(meta_path.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{meta_path}: format_version={meta.get('format_version')}, expected {FORMAT_VERSION}")
+        raise ValueError(
+            f"{meta_path}: format_version={meta.get('format_version')}, expected {FORMAT_VERSION}"
+        )
     return CheckpointInfo(path, int(meta["step"]), meta)
 
 
@@ -224,6 +226,39 @@ def save_checkpoint(
 _EXTRA_STATE = "_extra_state"
 
 
+def _use_stored_names(template: dict[str, Any], path: Path) -> int:
+    """Where megatron's local and TE specs give a tensor different keys (MLA's latent norms, the
+    pre-MLP norm of MoE layers: the mapping's rule aliases), load it under the name the checkpoint
+    has, so a checkpoint written with one spec (``loong-convert`` builds the local one) loads into
+    the other. Returns how many keys were renamed."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from loong_ckpt.families import key_aliases
+    from loong_ckpt.mapping import layer_key, rule_key
+    from loong_ckpt.mcore_io import read_metadata
+
+    aliases = key_aliases()
+    stored = set(read_metadata(path))
+    renamed = 0
+
+    def visit(node: Any) -> None:
+        nonlocal renamed
+        if isinstance(node, dict):
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, ShardedTensor | ShardedTensorFactory) and node.key not in stored:
+            name, layer = rule_key(node.key)
+            for other in aliases.get(name, ()):
+                candidate = other if layer is None else layer_key(other, layer)
+                if candidate in stored:
+                    node.key = candidate
+                    renamed += 1
+                    break
+
+    visit(template)
+    return renamed
+
+
 def _drop_absent_extra_state(template: dict[str, Any], path: Path) -> bool:
     """Transformer Engine modules carry an ``_extra_state`` (FP8 scaling metadata) that the local
     spec's modules do not have. A checkpoint written with one spec must load into the other (CPU
@@ -241,7 +276,11 @@ def _drop_absent_extra_state(template: dict[str, Any], path: Path) -> bool:
         for key, value in list(node.items()):
             if isinstance(value, dict):
                 visit(value)
-            elif isinstance(value, ShardedObject) and value.key.endswith(_EXTRA_STATE) and value.key not in present:
+            elif (
+                isinstance(value, ShardedObject)
+                and value.key.endswith(_EXTRA_STATE)
+                and value.key not in present
+            ):
                 del node[key]
                 dropped = True
 
@@ -270,6 +309,7 @@ def load_checkpoint(
         raise ValueError(f"{info.path} holds only trainable parameters (e.g. LoRA adapters), not the "
                          f"{part} ones; load the base weights from the checkpoint it names")  # fmt: skip
     template = _model_sharded_state_dict(chunks, part)
+    _use_stored_names(template, info.path)
     if optimizer is not None:
         model_sd = dict(template)
         template["optimizer"] = optimizer.sharded_state_dict(

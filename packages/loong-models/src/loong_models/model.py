@@ -3,7 +3,7 @@ and for VLMs an ``image_encoder`` and an ``image_projector`` (OmniCombinationMod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -146,8 +146,8 @@ def build_model(
     vp_stage: int | None = None,
     encoder_pg_collection: ProcessGroupCollection | None = None,
 ):
-    """Build this rank's pipeline stage of the model described by ``cfg`` (with its LoRA adapters):
-    a megatron GPTModel for a text-only model, an :class:`OmniCombinationModel` for a VLM.
+    """Build this rank's pipeline stage of the model described by ``cfg``: a megatron GPTModel for a
+    text-only model, an :class:`OmniCombinationModel` for a VLM.
 
     ``config`` is the foundation's TransformerConfig. The encoder and projector get their own,
     with the foundation's precision and their own TP size; ``encoder_pg_collection`` holds their
@@ -165,8 +165,7 @@ def build_model(
         scatter_embedding_sequence_parallel=not cfg.is_multimodal,
     )
     if not cfg.is_multimodal:
-        _apply_lora(cfg.lora, {"foundation": foundation})
-        return foundation
+        return _with_lora(cfg, foundation, {"foundation": foundation})
     enc_cfg, proj_cfg = cfg.image_encoder, cfg.image_projector
     assert enc_cfg is not None and proj_cfg is not None
     ftp = config.tensor_model_parallel_size
@@ -190,14 +189,23 @@ def build_model(
         )  # fmt: skip
         for module, component in ((encoder, enc_cfg), (projector, proj_cfg)):
             _apply_component_settings(module, component.freeze, replicated=etp < ftp)
-    _apply_lora(cfg.lora, {"foundation": foundation, "image_encoder": encoder, "image_projector": projector})
-    return OmniCombinationModel(
+    model = OmniCombinationModel(
         config, foundation, encoder, projector,
         token_ids=VisionTokenIds(cfg.image_token_id, cfg.video_token_id),
         spatial_merge_size=enc_cfg.spatial_merge_size,
         mrope=cfg.foundation.mrope_section is not None,
         tokens_per_second=cfg.tokens_per_second,
     )  # fmt: skip
+    # encoder and projector: None on pipeline stages after the first
+    return _with_lora(cfg, model, {"foundation": foundation, "image_encoder": encoder, "image_projector": projector})
+
+
+def _with_lora(cfg: ModelConfig, model: torch.nn.Module, components: dict) -> torch.nn.Module:
+    """LoRA adapters on the components ``cfg.lora`` names (applied last: after the components'
+    own freeze / replication settings, whose flags the adapters inherit)."""
+    if cfg.lora is not None:
+        apply_lora(components, cfg.lora)
+    return model
 
 
 def _apply_component_settings(module: torch.nn.Module, freeze: bool, *, replicated: bool) -> None:
@@ -211,13 +219,3 @@ def _apply_component_settings(module: torch.nn.Module, freeze: bool, *, replicat
             # even with non-deterministic kernels), and the grad norm counts them once (TP rank 0).
             p.average_gradients_across_tp_domain = True
             p.tensor_model_parallel = False
-
-
-def _apply_lora(lora: LoraConfig | None, modules: dict[str, torch.nn.Module | None]) -> None:
-    """Adapters on this stage's components; a component held by another pipeline stage (None
-    here) is adapted there."""
-    if lora is None:
-        return
-    here = [c for c in lora.components if modules.get(c, True) is not None]
-    if here:
-        apply_lora({k: m for k, m in modules.items() if m is not None}, replace(lora, components=here))

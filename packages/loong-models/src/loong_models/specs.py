@@ -4,6 +4,12 @@ CUDA with Transformer Engine installed: megatron-core's TE layer spec (fused nor
 TE/cuDNN attention). Everywhere else: megatron-core's local modules with :class:`SDPAttention`
 as core attention (no materialised attention matrix) and loong-kernels' RMSNorm.
 
+Mixture-of-Experts layers (``num_moe_experts`` set) keep megatron's MoE spec of the backend:
+TE's grouped-GEMM experts (``TEGroupedMLP``, ``moe_grouped_gemm`` from :func:`fusion_fields`)
+with TE, megatron's ``SequentialMLP`` locally; router, shared experts and token dispatcher are
+megatron's. MLA without sparse attention (DeepSeek-V3) is megatron's ``MLASelfAttention``; on
+the local backend with :class:`SDPAttention` and Loong's RMSNorm for its latent norms.
+
 DeepSeek sparse attention (MLA config with ``dsa_indexer_topk`` set), on either backend:
 megatron's ``AbsorbedMLASelfAttention`` (the backend's linears) with Loong's
 :class:`DSAttention` as core attention (loong-kernels: TileLang on CUDA, torch elsewhere) and
@@ -78,15 +84,18 @@ def decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: int
     )
 
 
+# Per-head q/k norms (GQA: q_layernorm, k_layernorm) and latent norms (MLA: q_layernorm, kv_layernorm)
+_ATTENTION_NORMS = ("q_layernorm", "k_layernorm", "kv_layernorm")
+
+
 def _local_layer(spec: ModuleSpec, norm: type = RMSNorm) -> ModuleSpec:
+    """GQA or MLA attention with SDPA core attention; the MLP (dense, or MoE: megatron's router,
+    SequentialMLP experts and shared experts) stays megatron's local spec."""
     sub = spec.submodules
     attn = sub.self_attention
     attn_sub = attn.submodules
-    attn_sub = dataclasses.replace(
-        attn_sub,
-        core_attention=SDPAttention,
-        **{k: norm for k in ("q_layernorm", "k_layernorm") if getattr(attn_sub, k) is not IdentityOp},
-    )
+    norms = {k: norm for k in _ATTENTION_NORMS if getattr(attn_sub, k, IdentityOp) is not IdentityOp}
+    attn_sub = dataclasses.replace(attn_sub, core_attention=SDPAttention, **norms)
     sub = dataclasses.replace(
         sub,
         self_attention=dataclasses.replace(attn, submodules=attn_sub),
@@ -146,9 +155,13 @@ def _dsa_layer(spec: ModuleSpec, backend: str) -> ModuleSpec:
 
 def fusion_fields(backend: str) -> dict[str, bool]:
     """TransformerConfig switches for fused kernels that exist only with the TE backend
-    (fused RoPE, SwiGLU, bias-dropout-add, wgrad accumulation into main_grad, fused CE)."""
+    (fused RoPE, SwiGLU, bias-dropout-add, wgrad accumulation into main_grad, fused CE), and the
+    MoE experts' implementation: TE's grouped GEMM (TEGroupedMLP) with TE, else megatron's
+    SequentialMLP (one local MLP per expert; megatron's non-TE GroupedMLP needs the grouped_gemm
+    package, which Loong does not require)."""
     on = backend == "te"
     return dict(
+        moe_grouped_gemm=on,
         apply_rope_fusion=on,
         bias_activation_fusion=on,
         bias_dropout_fusion=on,

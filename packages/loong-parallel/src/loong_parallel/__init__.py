@@ -1,13 +1,14 @@
 """loong-parallel: the parallel runtime between the model zoo and the train app.
 
-Process groups (TP / PP / DP), megatron-core DDP and optimizer wiring, pipeline schedules, and
-data-parallel load balancing (:mod:`loong_parallel.balance`).
+Process groups (TP / PP / DP / EP), megatron-core DDP and optimizer wiring, pipeline schedules, and
+data-parallel load balancing (:mod:`loong_parallel.balance`), MoE router statistics.
 """
 
 from loong_parallel.balance import DPBalancer, OnlineCostFit, QuadraticCost
 from loong_parallel.config import ParallelConfig
 from loong_parallel.distributed import DistEnv, init_distributed, initialize_model_parallel, shutdown
 from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
+from loong_parallel.moe import RouterStats
 from loong_parallel.optimizer import OptimConfig, build_optimizer
 from loong_parallel.runtime import runtime_transformer_fields
 from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
@@ -22,6 +23,7 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "QuadraticCost",
+    "RouterStats",
     "StepResult",
     "build_model_chunks",
     "build_optimizer",

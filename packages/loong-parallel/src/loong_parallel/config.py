@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+MOE_DISPATCHERS = ("alltoall", "allgather")
+# megatron-core's fine-grained activation offloading points (the input of each module goes to host).
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 
 
 @dataclass
@@ -16,6 +20,26 @@ class ParallelConfig:
     overlap_param_gather: bool = False  # overlap the distributed optimizer's param all-gather
     grad_reduce_in_fp32: bool = True
     ddp_bucket_size: int | None = None  # elements per DDP bucket; None = megatron's default
+    # Mixture-of-Experts layout (only for models with a `moe:` config). Experts are split over
+    # ep ranks; each expert's weights over etp ranks (None = tp). Expert layers see
+    # world / (etp x ep x pp) data-parallel replicas; the rest of the model keeps tp x pp x dp.
+    ep: int = 1
+    etp: int | None = None
+    # How tokens reach their experts' ranks: alltoall (sends each token only where it is routed;
+    # needed for the overlaps below) or allgather (every rank sees all tokens of its TP group).
+    moe_token_dispatcher: str = "alltoall"
+    # Run the shared experts on a side stream while the routed tokens are dispatched (CUDA).
+    moe_shared_expert_overlap: bool = False
+    # Hide the expert-parallel all-to-all behind another micro-batch's computation (megatron's
+    # combined 1F1B schedule; CUDA, bf16/fp16, ep > 1, with pp > 1 only interleaved (vpp)).
+    moe_a2a_overlap: bool = False
+    # Fine-grained activation offloading: the inputs of these modules are kept in host memory
+    # between forward and backward (CUDA); empty = off. Choices: OFFLOAD_MODULES.
+    offload_activations: list[str] = field(default_factory=list)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp if self.etp is not None else self.tp
 
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = self.tp * self.pp
@@ -26,11 +50,23 @@ class ParallelConfig:
             )
         return world_size // model_parallel
 
-    def validate(self, world_size: int, num_layers: int, num_heads: int, num_query_groups: int) -> None:
-        """Raise ValueError naming the key when the layout cannot hold the model."""
-        for key in ("tp", "pp"):
+    def validate(
+        self,
+        world_size: int,
+        num_layers: int,
+        num_heads: int,
+        num_query_groups: int,
+        *,
+        num_experts: int | None = None,
+        expert_ffn_hidden_size: int | None = None,
+        has_shared_experts: bool = False,
+    ) -> None:
+        """Raise ValueError naming the key when the layout cannot hold the model. The MoE
+        arguments describe the model's experts (None: a dense model)."""
+        for key in ("tp", "pp", "ep"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)} must be >= 1")
+        self._validate_moe(world_size, num_experts, expert_ffn_hidden_size, has_shared_experts)
         if num_query_groups % self.tp or num_heads % self.tp:
             raise ValueError(
                 f"parallel.tp={self.tp} must divide the attention heads ({num_heads}) and KV groups "
@@ -49,3 +85,72 @@ class ParallelConfig:
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
         self.data_parallel_size(world_size)
+
+    def _validate_moe(
+        self, world_size: int, num_experts: int | None, expert_ffn: int | None, has_shared: bool
+    ) -> None:
+        if self.etp is not None and self.etp < 1:
+            raise ValueError(f"parallel.etp={self.etp} must be >= 1 or null (= parallel.tp)")
+        if self.moe_token_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(
+                f"parallel.moe_token_dispatcher={self.moe_token_dispatcher!r}; allowed: {', '.join(MOE_DISPATCHERS)}"
+            )
+        for m in self.offload_activations:
+            if m not in OFFLOAD_MODULES:
+                raise ValueError(
+                    f"parallel.offload_activations: {m!r} is unknown; allowed: {', '.join(OFFLOAD_MODULES)}"
+                )
+        if "attn_proj" in self.offload_activations and "core_attn" not in self.offload_activations:
+            raise ValueError(
+                "parallel.offload_activations: 'attn_proj' needs 'core_attn' too (megatron offloads them together)"
+            )
+        moe_keys = [k for k in ("moe_shared_expert_overlap", "moe_a2a_overlap") if getattr(self, k)]
+        moe_keys += ["ep"] * (self.ep > 1) + ["etp"] * (self.etp is not None)
+        if num_experts is None:
+            if moe_keys:
+                raise ValueError(
+                    f"parallel.{moe_keys[0]} is set but the model has no experts (model.foundation.moe)"
+                )
+            return
+        if num_experts % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide the model's {num_experts} experts")
+        if expert_ffn is not None and expert_ffn % self.expert_tp:
+            raise ValueError(
+                f"parallel.etp={self.expert_tp} must divide the experts' ffn_hidden_size ({expert_ffn})"
+            )
+        expert_mp = self.expert_tp * self.ep * self.pp
+        if world_size % expert_mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.etp x parallel.ep x parallel.pp = "
+                f"{self.expert_tp} x {self.ep} x {self.pp} = {expert_mp} (etp defaults to tp)"
+            )
+        if self.ep > 1 and self.tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                "parallel.ep > 1 with parallel.tp > 1 needs parallel.sequence_parallel=true (megatron: expert "
+                "parallelism beside tensor parallelism must use sequence parallelism)"
+            )
+        if self.moe_shared_expert_overlap:
+            if not has_shared:
+                raise ValueError(
+                    "parallel.moe_shared_expert_overlap=true but the model has no shared experts"
+                )
+            if self.moe_token_dispatcher != "alltoall":
+                raise ValueError(
+                    "parallel.moe_shared_expert_overlap=true needs parallel.moe_token_dispatcher=alltoall"
+                )
+        if self.moe_a2a_overlap:
+            if self.ep < 2:
+                raise ValueError(
+                    "parallel.moe_a2a_overlap=true needs parallel.ep >= 2 (there is no all-to-all)"
+                )
+            if self.moe_token_dispatcher != "alltoall":
+                raise ValueError("parallel.moe_a2a_overlap=true needs parallel.moe_token_dispatcher=alltoall")
+            if self.moe_shared_expert_overlap:
+                raise ValueError(
+                    "parallel.moe_a2a_overlap and parallel.moe_shared_expert_overlap are exclusive "
+                    "(the a2a overlap schedules the shared experts itself)"
+                )
+            if self.pp > 1 and self.vpp is None:
+                raise ValueError(
+                    "parallel.moe_a2a_overlap=true with parallel.pp > 1 needs parallel.vpp (interleaved)"
+                )

@@ -36,7 +36,9 @@ def init_distributed(accel: Accelerator, timeout_s: float = 600) -> DistEnv:
     if "RANK" not in os.environ:  # plain `python` / `uv run train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    env = DistEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    env = DistEnv(
+        int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    )
     accel.set_device(env.local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=accel.dist_backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -45,7 +47,7 @@ def init_distributed(accel: Accelerator, timeout_s: float = 600) -> DistEnv:
 
 
 def initialize_model_parallel(pcfg: ParallelConfig, world_size: int) -> None:
-    """Create megatron's TP / PP / DP groups for ``pcfg``."""
+    """Create megatron's TP / PP / DP groups (and the expert EP / ETP / expert-DP groups) for ``pcfg``."""
     from megatron.core import parallel_state as mpu
 
     pcfg.data_parallel_size(world_size)
@@ -55,6 +57,8 @@ def initialize_model_parallel(pcfg: ParallelConfig, world_size: int) -> None:
         tensor_model_parallel_size=pcfg.tp,
         pipeline_model_parallel_size=pcfg.pp,
         virtual_pipeline_model_parallel_size=pcfg.vpp,
+        expert_model_parallel_size=pcfg.ep,
+        expert_tensor_parallel_size=pcfg.expert_tp,
     )
 
 

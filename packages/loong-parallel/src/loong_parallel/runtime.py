@@ -8,9 +8,28 @@ import torch
 
 from loong_parallel.config import ParallelConfig
 
+# Options that run on CUDA streams only (megatron's combined 1F1B schedule, async D2H copies).
+_CUDA_ONLY = ("moe_a2a_overlap", "moe_shared_expert_overlap", "offload_activations")
 
-def runtime_transformer_fields(pcfg: ParallelConfig, *, dtype: torch.dtype, device_type: str) -> dict[str, Any]:
+
+def runtime_transformer_fields(
+    pcfg: ParallelConfig, *, dtype: torch.dtype, device_type: str
+) -> dict[str, Any]:
+    for key in _CUDA_ONLY:
+        if getattr(pcfg, key) and device_type != "cuda":
+            raise ValueError(f"parallel.{key} needs CUDA (device type here: {device_type})")
+    if pcfg.moe_a2a_overlap and dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            "parallel.moe_a2a_overlap=true needs train.dtype bf16 or fp16 (megatron's requirement)"
+        )
     return dict(
+        expert_model_parallel_size=pcfg.ep,
+        expert_tensor_parallel_size=pcfg.expert_tp,
+        moe_token_dispatcher_type=pcfg.moe_token_dispatcher,
+        moe_shared_expert_overlap=pcfg.moe_shared_expert_overlap,
+        overlap_moe_expert_parallel_comm=pcfg.moe_a2a_overlap,
+        fine_grained_activation_offloading=bool(pcfg.offload_activations),
+        offload_modules=list(pcfg.offload_activations),
         tensor_model_parallel_size=pcfg.tp,
         pipeline_model_parallel_size=pcfg.pp,
         virtual_pipeline_model_parallel_size=pcfg.vpp,

@@ -88,6 +88,35 @@ def _set_rng_state_of(accel: Accelerator):
     return set_rng_state
 
 
+def _host_copy_of(accel: Accelerator):
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        # megatron's version copies only CUDA tensors, so on another device the all-to-all split
+        # sizes stay tensors and torch's all_to_all_single rejects them: copy any non-host tensor,
+        # and give numpy where asked whichever device the tensor is on.
+        if not torch.is_tensor(tensor):
+            return tensor
+        host = tensor.to("cpu")
+        return host.numpy() if as_numpy else host
+
+    return maybe_move_tensor_to_cpu
+
+
+def _recompute_context_of(accel: Accelerator):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    original = mrandom._fork_rng
+
+    @contextlib.contextmanager
+    def _fork_rng():
+        # torch runs the backward pass inside the device mode's handler of Tensor.backward, where
+        # that mode is off: forwards recomputed there (activation checkpointing) would see CUDA
+        # devices again. megatron wraps every recomputation in _fork_rng, so enter the mode there.
+        with original(), _DeviceRedirectMode(accel):
+            yield
+
+    return _fork_rng
+
+
 MANIFEST: tuple[Patch, ...] = (
     Patch(
         "torch.cuda:current_device",
@@ -206,6 +235,18 @@ MANIFEST: tuple[Patch, ...] = (
         "megatron.core.optimizer.optimizer:multi_tensor_scale_impl",
         "the copy/scale kernel of mixed-precision optimizers (TE's multi_tensor_scale when TE is installed)",
         lambda a: _megatron_util("local_multi_tensor_scale"),
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",
+        "the MoE all-to-all dispatcher turns its split sizes into host numpy arrays only for CUDA "
+        "tensors; elsewhere all_to_all_single receives tensors as split sizes and fails (EP > 1)",
+        _host_copy_of,
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.random:_fork_rng",
+        "activation recompute runs forwards during backward, outside the device-argument rewrite "
+        "(e.g. the MoE router's .to(device=torch.cuda.current_device())); recomputation enters it again",
+        _recompute_context_of,
     ),
     Patch(
         "torch.cuda:memory_allocated",

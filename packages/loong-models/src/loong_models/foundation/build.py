@@ -47,6 +47,16 @@ def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> Transform
         arch.update(recompute_granularity=cfg.recompute)
         if cfg.recompute == "full":
             arch.update(recompute_method="uniform", recompute_num_layers=1)
+        if cfg.recompute_modules is not None:
+            arch.update(recompute_modules=list(cfg.recompute_modules))
+    if cfg.moe is not None:
+        arch.update(moe_fields(cfg))
+    if "moe_act" in (cfg.recompute_modules or []) and not runtime.get("moe_grouped_gemm"):
+        # megatron recomputes the expert activation only inside its grouped-GEMM experts
+        raise ValueError(
+            "model.foundation.recompute_modules: 'moe_act' needs grouped-GEMM experts (model.layer_backend=te); "
+            "on the local backend use 'moe'"
+        )
     if cfg.mla is None:
         fields = {**arch, **cfg.extra, **runtime}
         if cfg.mrope_section is not None:
@@ -54,6 +64,34 @@ def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> Transform
             fields.update(mrope_section=list(cfg.mrope_section), apply_rope_fusion=False)
         return TransformerConfig(**fields)
     return _mla_transformer_config(cfg, {**arch, **cfg.extra, **runtime})
+
+
+def moe_fields(cfg: FoundationConfig) -> dict[str, Any]:
+    """The ``moe:`` sub-config under megatron's ``moe_*`` names."""
+    moe = cfg.moe
+    assert moe is not None
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_topk=moe.router_topk,
+        moe_layer_freq=moe.layer_pattern(cfg.num_layers),
+        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+        moe_router_score_function=moe.score_function,
+        # top-k over the raw scores, then normalised over the chosen k (HF's norm_topk_prob=True)
+        moe_router_pre_softmax=False,
+        moe_router_topk_scaling_factor=moe.topk_scaling_factor,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_bias_update_rate=moe.bias_update_rate,
+        moe_router_load_balancing_type=moe.load_balancing,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_expert_capacity_factor=moe.capacity_factor,
+        moe_pad_expert_input_to_capacity=moe.pad_to_capacity,
+        moe_token_drop_policy=moe.token_drop_policy,
+        moe_router_dtype=moe.router_dtype,
+    )
 
 
 def _mla_transformer_config(cfg: FoundationConfig, fields: dict[str, Any]) -> MLATransformerConfig:

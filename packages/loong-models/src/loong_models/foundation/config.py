@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 
 from loong_models.foundation.families import FAMILIES, Family, get_family
 from loong_models.foundation.mla import MLAConfig, SparseAttentionConfig
+from loong_models.foundation.moe import MoEConfig
+
+RECOMPUTE = (None, "selective", "full")
+# megatron-core's recompute_modules choices (selective recompute) that Loong's models contain.
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 # megatron-core implements exactly the Llama-3 RoPE scaling of HF's "llama3" rope_type with these
 # constants (RotaryEmbedding._apply_scaling); other values would silently be ignored.
@@ -48,6 +53,8 @@ class FoundationConfig:
     mla: MLAConfig | None = None
     # DeepSeek sparse attention (families with sparse_attention=True); needs `mla`.
     sparse_attention: SparseAttentionConfig | None = None
+    # Mixture-of-Experts MLP (families with moe="required"/"optional"); None = dense MLP everywhere.
+    moe: MoEConfig | None = None
     norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
@@ -58,6 +65,9 @@ class FoundationConfig:
     tensor_model_parallel_size: int | None = None
     freeze: bool = False
     recompute: str | None = None  # None | "selective" | "full"
+    # With recompute=selective: which submodules to recompute (megatron's recompute_modules, see
+    # RECOMPUTE_MODULES); None = megatron's default (core_attn).
+    recompute_modules: list[str] | None = None
     extra: dict = field(default_factory=dict)  # family-specific knobs, passed to TransformerConfig
 
     @property
@@ -85,7 +95,7 @@ class FoundationConfig:
                 f"{prefix}.num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"{prefix}.num_query_groups={self.query_groups}"
             )
-        if self.recompute not in (None, "selective", "full"):
+        if self.recompute not in RECOMPUTE:
             raise ValueError(f"{prefix}.recompute={self.recompute!r}; allowed: null, selective, full")
         if self.mrope_section is not None:
             if self.mla is not None or self.rope_scaling is not None:
@@ -95,6 +105,8 @@ class FoundationConfig:
                     f"{prefix}.mrope_section={list(self.mrope_section)} must be 3 numbers summing to "
                     f"head_dim / 2 = {self.head_dim // 2}"
                 )
+        self._validate_recompute_modules(prefix)
+        self._validate_moe(get_family(self.family), prefix)
         if self.rope_scaling is not None:
             rs = self.rope_scaling
             if rs.type != "llama3":
@@ -105,6 +117,41 @@ class FoundationConfig:
                         f"{prefix}.rope_scaling.{key}={getattr(rs, key)}: megatron-core implements "
                         f"Llama-3 scaling with {key}={expected} only"
                     )
+
+    def _validate_recompute_modules(self, prefix: str) -> None:
+        if self.recompute_modules is None:
+            return
+        if self.recompute != "selective":
+            raise ValueError(
+                f"{prefix}.recompute_modules={self.recompute_modules} needs {prefix}.recompute=selective "
+                f"(got {self.recompute!r})"
+            )
+        for m in self.recompute_modules:
+            if m not in RECOMPUTE_MODULES:
+                raise ValueError(
+                    f"{prefix}.recompute_modules: {m!r} is unknown; allowed: {', '.join(RECOMPUTE_MODULES)}"
+                )
+        needs = {"mla_up_proj": ("mla", "an MLA family"), "moe": ("moe", "a moe: config"),
+                 "moe_act": ("moe", "a moe: config")}  # fmt: skip
+        for m, (key, what) in needs.items():
+            if m in self.recompute_modules and getattr(self, key) is None:
+                raise ValueError(f"{prefix}.recompute_modules: {m!r} needs {what}")
+        shared = self.moe is not None and self.moe.shared_expert_intermediate_size
+        if "shared_experts" in self.recompute_modules and not shared:
+            raise ValueError(
+                f"{prefix}.recompute_modules: 'shared_experts' needs {prefix}.moe.shared_expert_intermediate_size"
+            )
+
+    def _validate_moe(self, fam: Family, prefix: str) -> None:
+        if fam.moe == "required" and self.moe is None:
+            raise ValueError(f"{prefix}.moe is required by family {fam.name!r}")
+        if fam.moe == "never" and self.moe is not None:
+            users = [f.name for f in FAMILIES.values() if f.moe != "never"]
+            raise ValueError(
+                f"{prefix}.moe is set but family {fam.name!r} has a dense MLP; families with MoE: {', '.join(users)}"
+            )
+        if self.moe is not None:
+            self.moe.validate(f"{prefix}.moe", self.num_layers)
 
     def _validate_attention(self, fam: Family, prefix: str) -> None:
         """The sub-configs a family's attention needs are present, and only those."""
@@ -147,13 +194,29 @@ class FoundationConfig:
         q, kv = self.num_attention_heads * d, self.query_groups * d
         return h * (q + 2 * kv) + q * h + (q + 2 * kv if fam.qkv_bias else 0) + (2 * d if fam.qk_norm else 0)
 
-    def num_parameters(self, include_embedding: bool = True) -> int:
-        """Exact parameter count of the model this config builds (unpadded vocab)."""
+    def num_parameters(self, include_embedding: bool = True, *, active: bool = False) -> int:
+        """Exact parameter count of the model this config builds (unpadded vocab), as the released
+        checkpoint counts it: MoE routers' expert bias included (megatron keeps it as a buffer).
+
+        ``active``: the parameters one token uses (``router_topk`` routed experts of each MoE
+        layer, all else), the N of the MFU formula for MoE models."""
         h, f = self.hidden_size, self.ffn_hidden_size
         attn = self._attention_parameters()
-        mlp = 3 * h * f
-        per_layer = attn + mlp + 2 * h
-        total = self.num_layers * per_layer + h  # + final norm
+        dense_mlp = 3 * h * f
+        dense_layers, moe_layers = self.num_layers, 0
+        moe_mlp = 0
+        if self.moe is not None:
+            moe_layers = self.moe.moe_layers(self.num_layers)
+            dense_layers -= moe_layers
+            moe_mlp = self.moe.num_parameters(h, active=active)
+        per_layer = attn + 2 * h  # attention + the two norms
+        total = (
+            self.num_layers * per_layer + dense_layers * dense_mlp + moe_layers * moe_mlp + h
+        )  # + final norm
         if include_embedding:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total
+
+    def num_active_parameters(self, include_embedding: bool = True) -> int:
+        """Parameters used per token (equals :meth:`num_parameters` for a dense model)."""
+        return self.num_parameters(include_embedding, active=True)

@@ -18,6 +18,9 @@ class Family:
     # attention, sizes from the YAML's `mla:` sub-config (DeepSeek-V2/V3/V3.2)
     attention: str = "gqa"
     sparse_attention: bool = False  # DeepSeek sparse attention on MLA, sizes from `sparse_attention:`
+    # Mixture-of-Experts MLP, sizes from the YAML's `moe:` sub-config: "required", "optional"
+    # (DeepSeek-V3.2: MoE at full size, a dense MLP in the tiny test model) or "never".
+    moe: str = "never"
     hf_architectures: tuple[str, ...] = ()  # HF `architectures` entries this family reads/writes
     hf_model_type: str = ""
 
@@ -29,9 +32,24 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", qkv_bias=True, hf_architectures=("Qwen2ForCausalLM",), hf_model_type="qwen2"),
         Family("qwen3", qk_norm=True, hf_architectures=("Qwen3ForCausalLM",), hf_model_type="qwen3"),
         Family(
+            "qwen3-moe",
+            qk_norm=True,
+            moe="required",
+            hf_architectures=("Qwen3MoeForCausalLM",),
+            hf_model_type="qwen3_moe",
+        ),
+        Family(
+            "deepseek-v3",
+            attention="mla",
+            moe="required",
+            hf_architectures=("DeepseekV3ForCausalLM",),
+            hf_model_type="deepseek_v3",
+        ),
+        Family(
             "deepseek-v32",
             attention="mla",
             sparse_attention=True,
+            moe="optional",
             hf_architectures=("DeepseekV32ForCausalLM",),
             hf_model_type="deepseek_v32",
         ),
@@ -43,4 +61,6 @@ def get_family(name: str) -> Family:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise ValueError(f"model.foundation.family={name!r} is unknown; allowed: {', '.join(FAMILIES)}") from None
+        raise ValueError(
+            f"model.foundation.family={name!r} is unknown; allowed: {', '.join(FAMILIES)}"
+        ) from None

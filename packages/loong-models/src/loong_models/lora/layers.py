@@ -268,6 +268,11 @@ def _convert(module, mode: str, mixin: type, cfg: LoraConfig, *, key: str, glu: 
         p.allreduce = True  # reduced over DP like every dense weight
     if sp:
         replicated.sequence_parallel = True  # gradient is partial over the sequence: summed over TP
+    if getattr(weight, "average_gradients_across_tp_domain", False):
+        # a component replicated over the foundation's TP group (VLM encoder with a smaller TP):
+        # its adapters are replicated the same way and tagged like its weights
+        for p in (a, b):
+            p.average_gradients_across_tp_domain, p.tensor_model_parallel = True, False
     module.__class__ = _lora_class(type(module), mixin)
     module.register_parameter("lora_a", a)
     module.register_parameter("lora_b", b)

@@ -1,0 +1,159 @@
+"""Mixture-of-Experts training throughput with expert parallelism, in one run: the baseline EP
+layout, then the same with the expert-parallel all-to-all overlapped with computation, then with
+activation offload to host memory. Each variant is a separate torchrun job of the real train app.
+
+Default shape: qwen3-30b-a3b reduced to 4 layers (all 128 experts, top-8 routing, hidden 2048,
+GQA 32/4 heads), sequence 4096, bf16 with fp32 master weights and the distributed optimizer, the
+TE layer spec (grouped-GEMM experts) when transformer-engine is installed, alltoall dispatcher,
+EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batches per step.
+
+    python bench/moe_throughput.py                                  # 4 GPUs, the three variants
+    python bench/moe_throughput.py --gpus 2 --layers 8
+    python bench/moe_throughput.py --variants baseline a2a-overlap --extra parallel.moe_token_dispatcher=alltoall
+
+MFU = (6 N + 6 L h s) * tokens/s/GPU / peak (989 TFLOP/s bf16 on H100/H200), N = the parameters
+one token uses (active: attention, router, top-k experts, embeddings), as the train app reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PEAK = 989e12
+
+# What each variant adds to the baseline EP layout.
+VARIANTS: dict[str, list[str]] = {
+    "baseline": [],
+    # megatron's combined 1F1B schedule: one micro-batch's dispatch/combine all-to-all runs while
+    # another micro-batch computes (needs ep > 1, bf16, >= 2 micro-batches)
+    "a2a-overlap": ["parallel.moe_a2a_overlap=true"],
+    # the inputs of the experts' first linear and of their activation wait in host memory
+    "offload": ["parallel.offload_activations=[expert_fc1,moe_act]"],
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    variant: str
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    peak_gib: float
+
+
+def active_flops_per_token(f, seq: int) -> float:
+    """DESIGN.md's training FLOPs per token with N = active parameters."""
+    return 6 * f.num_active_parameters() + 6 * f.num_layers * f.hidden_size * seq
+
+
+def mfu(f, seq: int, tokens_per_s_per_gpu: float, peak: float = PEAK) -> float:
+    return active_flops_per_token(f, seq) * tokens_per_s_per_gpu / peak
+
+
+def foundation(args):
+    from loong_models import load_model_config
+
+    return load_model_config(args.model, [f"foundation.num_layers={args.layers}"]).foundation
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers kept from the model's shape")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    p.add_argument(
+        "--microbatches", type=int, default=4, help="micro-batches per step and data-parallel rank"
+    )
+    p.add_argument("--gpus", type=int, default=4, help="processes (GPUs) of each torchrun job")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: --gpus)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--device", default="cuda", help="LOONG_DEVICE of the runs (cpu: smoke-test this script)")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--extra", nargs="*", default=[], help="extra train-app overrides for every variant")
+    args = p.parse_args(argv)
+    args.ep = args.ep or args.gpus
+    if args.gpus % args.ep:
+        p.error(f"--ep {args.ep} must divide --gpus {args.gpus}")
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    return args
+
+
+def train_command(args, variant: str, out: Path) -> list[str]:
+    global_batch = args.mbs * args.microbatches * args.gpus  # dense data-parallel size = gpus (tp = pp = 1)
+    overrides = [
+        f"model={args.model}", f"model.foundation.num_layers={args.layers}", f"data.seq_length={args.seq}",
+        f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={global_batch}", f"train.steps={args.steps}",
+        f"train.dtype={args.dtype}", "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false",
+        "train.progress=false", f"train.output_dir={out}", f"data.cache_dir={out.parent}/data",
+        f"optim.warmup_steps={args.warmup}", f"parallel.ep={args.ep}", "parallel.distributed_optimizer=true",
+        *VARIANTS[variant], *args.extra,
+    ]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
+            "-m", "loong_train", *overrides]  # fmt: skip
+
+
+def run_variant(args, variant: str, workdir: Path, f) -> Result:
+    out = workdir / variant
+    cmd = train_command(args, variant, out)
+    print(f"{variant}:", " ".join(cmd[cmd.index("loong_train") + 1 :]), flush=True)
+    env = dict(os.environ, LOONG_DEVICE=args.device, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        print(proc.stderr[-6000:], file=sys.stderr)
+        raise SystemExit(f"variant {variant} failed ({proc.returncode})")
+    print("  ", *[ln for ln in proc.stderr.splitlines() if "loong_train: model" in ln], flush=True)
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("split", "train") == "train" and r["step"] > args.warmup]
+    step_s = statistics.median(r["step_time_s"] for r in train)
+    tps = args.mbs * args.microbatches * args.gpus * args.seq / step_s / args.gpus
+    imbalance = statistics.mean(r.get("moe_load_imbalance", float("nan")) for r in train)
+    print(f"   median step {step_s:.3f}s, load imbalance (max/mean) {imbalance:.2f}", flush=True)
+    return Result(variant, step_s, tps, mfu(f, args.seq, tps), max(r["peak_mem_gib"] for r in train))
+
+
+def table(args, f, results: list[Result]) -> str:
+    lines = [
+        f"{args.model} x {args.layers} layers: {f.num_parameters() / 1e9:.2f}B params, "
+        f"{f.num_active_parameters() / 1e9:.2f}B active, {f.moe.num_experts} experts top-{f.moe.router_topk} | "
+        f"seq {args.seq}, micro-batch {args.mbs} x {args.microbatches} | {args.gpus} GPUs, EP {args.ep} | "
+        f"median of {args.steps - args.warmup} steps after {args.warmup}",
+        f"{'variant':<14} {'step s':>8} {'tokens/s/GPU':>13} {'MFU':>6} {'peak GiB (rank 0)':>18} {'vs baseline':>12}",
+    ]
+    base = next((r for r in results if r.variant == "baseline"), None)
+    for r in results:
+        ratio = f"{r.tokens_per_s_per_gpu / base.tokens_per_s_per_gpu:.3f}x" if base else "-"
+        lines.append(f"{r.variant:<14} {r.step_s:8.3f} {r.tokens_per_s_per_gpu:13,.0f} {r.mfu:6.3f} "
+                     f"{r.peak_gib:18.2f} {ratio:>12}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    f = foundation(args)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in args.variants:
+            results.append(run_variant(args, variant, Path(tmp), f))
+    device = args.device
+    if device == "cuda":
+        import torch
+
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda (absent)"
+    print(f"\n{device}")
+    print(table(args, f, results))
+
+
+if __name__ == "__main__":
+    main()

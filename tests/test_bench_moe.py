@@ -1,0 +1,69 @@
+"""The CPU side of bench/moe_throughput.py: arguments, the commands it launches, the MFU formula."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).parents[1] / "bench" / "moe_throughput.py"
+_spec = importlib.util.spec_from_file_location("moe_throughput", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["moe_throughput"] = bench
+_spec.loader.exec_module(bench)
+
+
+def test_defaults_are_the_issue_shape():
+    args = bench.parse_args([])
+    assert (args.model, args.layers, args.seq, args.gpus, args.ep) == ("qwen3-30b-a3b", 4, 4096, 4, 4)
+    assert args.variants == ["baseline", "a2a-overlap", "offload"]
+    f = bench.foundation(args)
+    assert (f.num_layers, f.moe.num_experts, f.moe.router_topk) == (4, 128, 8)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--gpus", "4", "--ep", "3"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--steps", "5", "--warmup", "5"])
+
+
+def test_each_variant_is_its_own_torchrun_job(tmp_path):
+    args = bench.parse_args(["--gpus", "2", "--variants", "baseline", "a2a-overlap"])
+    base = bench.train_command(args, "baseline", tmp_path / "baseline")
+    overlap = bench.train_command(args, "a2a-overlap", tmp_path / "a2a")
+    assert "--nproc-per-node=2" in base and "loong_train" in base
+    for arg in (
+        "parallel.ep=2",
+        "train.dtype=bf16",
+        "train.global_batch_size=8",
+        "model.foundation.num_layers=4",
+    ):
+        assert arg in base
+    assert set(overlap) - set(base) == {
+        "parallel.moe_a2a_overlap=true",
+        f"train.output_dir={tmp_path / 'a2a'}",
+    }
+    offload = bench.train_command(args, "offload", tmp_path / "o")
+    assert "parallel.offload_activations=[expert_fc1,moe_act]" in offload
+
+
+def test_mfu_counts_active_parameters():
+    f = bench.foundation(bench.parse_args([]))
+    # 4 layers of qwen3-30b-a3b: attention 18,874,624 + router 262,144 + 8 of 128 experts 37,748,736
+    # + norms 4,096 per layer; embeddings and head 622,329,856; final norm 2,048
+    active = 4 * (18_874_624 + 262_144 + 37_748_736 + 4_096) + 622_329_856 + 2_048
+    assert f.num_active_parameters() == active
+    expected = (6 * active + 6 * 4 * 2048 * 4096) * 10_000 / 989e12
+    assert bench.mfu(f, 4096, 10_000) == pytest.approx(expected, rel=1e-12)
+
+
+def test_table_reports_ratios_against_the_baseline():
+    args = bench.parse_args(["--gpus", "2"])
+    f = bench.foundation(args)
+    rows = [
+        bench.Result("baseline", 1.0, 1000.0, 0.1, 20.0),
+        bench.Result("a2a-overlap", 0.8, 1250.0, 0.125, 21.0),
+    ]
+    text = bench.table(args, f, rows)
+    assert "1.250x" in text and "1.000x" in text and "2 GPUs, EP 2" in text
