@@ -34,6 +34,13 @@ from loong_parallel import (
 from loong_train.data import load_text_data, step_batches
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, progress_bar
+from loong_train.multimodal import (
+    MEDIA_KEYS,
+    encoder_process_groups,
+    load_multimodal_data,
+    step_counts,
+    vision_flops_per_patch,
+)
 from loong_train.schema import Config, ConfigError, validate
 from loong_train.thd import build_balancer, schedule_shape
 from loong_xpu import Accelerator, get_accelerator, redirect_cuda
@@ -55,7 +62,8 @@ class RunSummary:
 
 def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_plan: bool = False):
     """megatron forward_step: per-token LM loss on the last stage, hidden states elsewhere.
-    Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document.
+    Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document. Multimodal
+    batches also carry images / videos (``MEDIA_KEYS``), which go to the model as keywords.
     ``return_schedule_plan``: megatron's combined 1F1B schedule (MoE all-to-all overlap) asks for
     the model's schedule plan of this micro-batch instead of running its forward."""
     batch = next(data_iterator)
@@ -63,6 +71,8 @@ def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_
     packed = None
     if "cu_seqlens" in batch:
         packed = packed_seq_params(batch["cu_seqlens"].to(device, non_blocking=True), batch["max_seqlen"])
+    media = {key: batch[key].to(device, non_blocking=True) for key in MEDIA_KEYS
+             if key in batch and batch[key].numel()}  # a pack without images has empty tensors  # fmt: skip
     run = model.build_schedule_plan if return_schedule_plan else model
     output = run(
         tokens,
@@ -70,6 +80,7 @@ def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_
         None,  # causal mask is implied by the layer spec
         labels=batch["labels"].to(device, non_blocking=True),
         packed_seq_params=packed,
+        **media,
     )
     return output, partial(_lm_loss, batch["loss_mask"].to(device, non_blocking=True))
 
@@ -112,7 +123,11 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     model_parallel_cuda_manual_seed(t.seed)
     torch.manual_seed(t.seed)  # identical host RNG on every rank: CPU init is layout independent
 
-    data = load_text_data(cfg.data, is_main=is_main, seed=t.seed)
+    multimodal = cfg.data.kind == "multimodal"
+    if multimodal:  # images + conversations (multimodal.py); it checks model and tokenizer agree
+        data = load_multimodal_data(cfg.data, cfg.model, is_main=is_main, seed=t.seed)
+    else:
+        data = load_text_data(cfg.data, is_main=is_main, seed=t.seed)
     if data.tokenizer.vocab_size > f.vocab_size:
         raise ConfigError(
             f"model.foundation.vocab_size={f.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -129,9 +144,12 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
+    encoder_groups = encoder_process_groups(cfg.model, cfg.parallel.tp)
+
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
         return build_model(cfg.model, tconfig, device_type=accel.device_type, pre_process=pre_process,
-                           post_process=post_process, vp_stage=vp_stage)  # fmt: skip
+                           post_process=post_process, vp_stage=vp_stage,
+                           encoder_pg_collection=encoder_groups)  # fmt: skip
 
     try:
         chunks = build_model_chunks(provider, cfg.parallel, tconfig, accel)
@@ -180,9 +198,11 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         )
         experts = f" | experts: ep {cfg.parallel.ep} x etp {cfg.parallel.expert_tp}" if f.moe else ""
         logger.info(
-            "model %s (%.1fM params, %s%s layers) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d%s | "
+            "model %s (%.1fM params, %s%s layers%s) | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d%s | "
             "global batch %d x seq %d, %d micro-batches/step | trainable params (rank 0): %.3fM%s",
-            f.family, n_params / 1e6, moe, f.num_layers, accel.name, str(dtype).removeprefix("torch."), backend,
+            f.family, n_params / 1e6, moe, f.num_layers,
+            f"; + {(cfg.model.num_parameters() - n_params) / 1e6:.2f}M image encoder + projector" if multimodal else "",
+            accel.name, str(dtype).removeprefix("torch."), backend,
             world_size, cfg.parallel.tp, cfg.parallel.pp, mpu.get_data_parallel_world_size(), experts,
             t.global_batch_size, cfg.data.seq_length, num_microbatches, trainable / 1e6,
             f" (LoRA rank {lora.rank} on {', '.join(lora.targets)})" if lora else "",
@@ -199,21 +219,29 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         max_tokens=b.max_tokens_per_rank, refit=b.refit, warmup_steps=b.refit_warmup_steps,
         interval=b.refit_interval, window=b.refit_window,
     ) if b.enabled else None  # fmt: skip
-    batches = step_batches(
-        data.train, micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
-        dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, start_step=start_step, balancer=balancer,
-    )  # fmt: skip
+    if multimodal:
+        batches = data.train_steps(global_batch_size=t.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                   start_step=start_step)  # fmt: skip
+        patch_flops = vision_flops_per_patch(cfg.model)
+    else:
+        batches = step_batches(
+            data.train, micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
+            dp_rank=dp_rank, dp_size=dp_size, seed=t.seed, start_step=start_step, balancer=balancer,
+        )  # fmt: skip
     forward_step = partial(lm_forward_step, device)
     router_stats = RouterStats(chunks, tconfig, device) if f.moe else None
     metrics = MetricsWriter(out_dir, enabled=is_main, tensorboard=t.tensorboard, resume_step=start_step)
     summary = RunSummary(metrics_file=metrics.path, tensorboard_dir=metrics.tb_dir if t.tensorboard else None)
 
     def evaluate(step: int) -> float:
-        eval_batches = step_batches(
-            data.val, micro_batch_size=t.micro_batch_size, num_microbatches=t.eval_iters,
-            dp_rank=dp_rank, dp_size=dp_size, seed=t.seed,
-        )  # fmt: skip
-        mbs = next(eval_batches)
+        if multimodal:  # the same held-out samples every time
+            mbs = data.eval_microbatches(num_samples=t.eval_iters * t.micro_batch_size * dp_size,
+                                         dp_rank=dp_rank, dp_size=dp_size)  # fmt: skip
+        else:
+            mbs = next(step_batches(
+                data.val, micro_batch_size=t.micro_batch_size, num_microbatches=t.eval_iters,
+                dp_rank=dp_rank, dp_size=dp_size, seed=t.seed,
+            ))  # fmt: skip
         loss, _ = eval_step(forward_step, _iterators(mbs, len(chunks)), chunks, device=device,
                             **schedule_shape(mbs, {**sched, "num_microbatches": len(mbs)}))  # fmt: skip
         metrics.write({"step": step, "split": "val", "loss": loss})
@@ -239,7 +267,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         )
 
     bar = progress_bar(t.steps, start_step, enabled=is_main and t.progress)
-    window_t0, window_tokens, window_steps = time.perf_counter(), 0, 0
+    window_t0, window_tokens, window_images, window_flops, window_steps = time.perf_counter(), 0, 0, 0.0, 0
     for step in range(start_step + 1, t.steps + 1):
         step_t0 = time.perf_counter()
         mbs = next(batches)
@@ -249,7 +277,14 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             balancer.observe(mbs, result.compute_s)
         accel.synchronize()
         step_time = time.perf_counter() - step_t0
-        window_tokens += result.num_tokens  # loss tokens: every token in fixed packing, real ones in THD
+        if multimodal:  # every real token (loss only on assistant tokens), and the images
+            counts = step_counts(mbs, data.tokenizer.pad_id, mpu.get_data_parallel_group(), device)
+            window_tokens += counts["tokens"]
+            window_images += counts["images"]
+            window_flops += flops_per_token * counts["tokens"] + patch_flops * counts["patches"]
+        else:
+            window_tokens += result.num_tokens  # loss tokens: every token in fixed packing, real ones in THD
+            window_flops += flops_per_token * result.num_tokens
         window_steps += 1
         if summary.first_loss is None:
             summary.first_loss = result.loss
@@ -265,6 +300,8 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             }  # fmt: skip
             if balancer:
                 record.update(balancer.metrics())
+            if multimodal:
+                record["images_per_s"] = window_images / elapsed
             postfix = {}
             if router_stats:
                 moe_stats = router_stats.report(num_microbatches * window_steps, step)
@@ -275,12 +312,12 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
                     if not isinstance(v, list)
                 }
             if peak:
-                record["mfu"] = flops_per_token * tps / world_size / peak
+                record["mfu"] = window_flops / elapsed / world_size / peak
             mem = accel.memory_stats()
             record["peak_mem_gib"] = round(mem.peak_allocated / 2**30, 3)
             metrics.write(record)
             bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}", **postfix, refresh=False)
-            window_t0, window_tokens, window_steps = time.perf_counter(), 0, 0
+            window_t0, window_tokens, window_images, window_flops, window_steps = time.perf_counter(), 0, 0, 0.0, 0
         bar.update(1)
         if t.eval_interval and t.eval_iters and step % t.eval_interval == 0 and step != t.steps:
             evaluate(step)

@@ -7,18 +7,20 @@ from dataclasses import dataclass, field
 
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
+from loong_train.multimodal_config import MultimodalDataConfig, validate_multimodal
 from loong_train.packing_config import BalanceConfig, ThdConfig, validate_packing
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
-DATA_KINDS = ("text", "chat")
+DATA_KINDS = ("text", "chat", "multimodal")
 
 
 @dataclass
 class DataConfig:
     # text: plain text corpora (pre-training); chat: JSONL conversations ({"messages": [...]}) through
-    # a chat template, loss on the assistant's tokens only (SFT); sources [] = the bundled Shakespeare QA
+    # a chat template, loss on the assistant's tokens only (SFT); sources [] = the bundled Shakespeare QA;
+    # multimodal: conversations with images / videos (data.multimodal.*, multimodal.py)
     kind: str = "text"
     # .txt files / folders of .txt / .jsonl ({"text": ...}); empty = the bundled Shakespeare corpus
     sources: list[str] = field(default_factory=list)
@@ -31,6 +33,7 @@ class DataConfig:
     packing: str = "fixed"
     thd: ThdConfig = field(default_factory=ThdConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    multimodal: MultimodalDataConfig = field(default_factory=MultimodalDataConfig)
 
 
 @dataclass
@@ -73,7 +76,7 @@ def validate(cfg: Config, world_size: int) -> int:
     """Check cross-field constraints; return the number of micro-batches per step."""
     t, f = cfg.train, cfg.model.foundation
     try:
-        f.validate()
+        cfg.model.validate()  # every component (foundation, image encoder, projector, token ids)
         if cfg.model.lora is not None:
             cfg.model.lora.validate()
         cfg.optim.validate()
@@ -130,6 +133,8 @@ def validate(cfg: Config, world_size: int) -> int:
         tp=cfg.parallel.tp,
         sequence_parallel=cfg.parallel.sequence_parallel,
     ):
+        raise ConfigError(error)
+    for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing, balance=d.balance.enabled):
         raise ConfigError(error)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")

@@ -51,6 +51,7 @@ class OmniCombinationModel(MegatronModule):
         self.tokens_per_second = tokens_per_second
         self.pre_process = foundation.pre_process
         self.post_process = foundation.post_process
+        self.model_type = foundation.model_type  # megatron's schedules read it from the chunk
 
     # --- what megatron's schedules and finalize_model_grads call on a model chunk ---
     def set_input_tensor(self, input_tensor) -> None:

@@ -1,0 +1,410 @@
+"""Loong vs HF transformers: VLM training throughput (Qwen2.5-VL-style) on one GPU, in one run.
+
+Both sides train the same shape (default: Qwen2.5-VL-3B's vision tower and language model, the
+language model cut to --text-layers so AdamW fits one 80 GB GPU; random init) on the same
+micro-batches: real bundled images resized to --image-size (448x448: 1024 patches, 256 image
+tokens each), --images-per-sample images with their real captions per sample, packed into
+--seq-token sequences by the train app's multimodal data path (the HF worker builds its
+micro-batches with the same code, config and seed, and checks they hold the same tokens and
+images). bf16 with fp32 master weights, AdamW (lr 3e-4, betas 0.9/0.95, wd 0.1, clip 1.0).
+Loong runs the real train app (`--config-name vlm`, TE layers when transformer-engine is
+installed, THD packing: attention stays inside each sample); HF runs
+Qwen2_5_VLForConditionalGeneration with SDPA under torch.autocast, fed each pack as one causal
+sequence (HF's SDPA path has no packed-sequence attention; it attends across the samples of a
+pack, more attention work than Loong does). Each side runs in its own process; the table reports
+the median over the steps after warm-up.
+
+    python bench/vlm_throughput.py                        # both, default shape
+    python bench/vlm_throughput.py --text-layers 36 --steps 20 --warmup 5
+    python bench/vlm_throughput.py --loong-extra model.layer_backend=local
+
+tokens/s counts LLM tokens (image tokens included, padding excluded). MFU = step FLOPs / step
+time / 989 TFLOP/s, step FLOPs = LLM (6 N + 6 L h s) per token (DESIGN.md) + vision tower
+(bench/vlm_flops.py: 6 N per patch + bidirectional attention over the frame or window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops, step_counts  # noqa: E402
+
+
+@dataclass(frozen=True)
+class TextShape:
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tie_embeddings: bool
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    norm_eps: float
+    max_position_embeddings: int
+
+    def num_parameters(self) -> int:
+        """Qwen2 LLM: qkv with bias, o without, gated MLP, two RMSNorms per layer, final norm."""
+        h, f, d = self.hidden, self.ffn, self.head_dim
+        q, kv = self.heads * d, self.kv_heads * d
+        attn = h * q + q + 2 * (h * kv + kv) + q * h
+        layer = attn + 3 * h * f + 2 * h
+        emb = self.vocab * h * (1 if self.tie_embeddings else 2)
+        return emb + self.num_layers * layer + h
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    text: TextShape
+    vision: VisionShape
+    vision_heads: int
+
+    def step_flops(self, counts: StepCounts, seq: int) -> float:
+        t = self.text
+        return llm_flops(t.num_parameters(), t.num_layers, t.hidden, seq, counts.tokens) + counts.vision_flops
+
+
+def bench_shape(model) -> BenchShape:
+    """The shape of a Loong VLM ModelConfig (Qwen2.5-VL ViT + patch merger + Qwen2 LLM), which
+    both sides build: Loong from the config, HF through :func:`hf_config`."""
+    f, e = model.foundation, model.image_encoder
+    if f.family != "qwen2" or e.type != "qwen2.5-vit" or model.image_projector.norm != "RMSNorm":
+        raise ValueError(f"HF Qwen2.5-VL is a qwen2.5-vit + patch merger + qwen2 LLM; the model has "
+                         f"{e.type} + {model.image_projector.norm} projector + {f.family}")  # fmt: skip
+    text = TextShape(
+        num_layers=f.num_layers, hidden=f.hidden_size, ffn=f.ffn_hidden_size, heads=f.num_attention_heads,
+        kv_heads=f.query_groups, head_dim=f.head_dim, vocab=f.vocab_size, tie_embeddings=f.tie_word_embeddings,
+        rope_theta=f.rotary_base, mrope_section=tuple(f.mrope_section), norm_eps=f.norm_epsilon,
+        max_position_embeddings=f.max_position_embeddings,
+    )  # fmt: skip
+    vision = VisionShape(
+        depth=e.num_layers, hidden=e.hidden_size, ffn=e.ffn_hidden_size, out_hidden=f.hidden_size,
+        patch=e.patch_size, temporal_patch=e.temporal_patch_size, merge=e.spatial_merge_size,
+        window_size=e.window_size, fullatt_blocks=tuple(e.fullatt_block_indexes), in_channels=e.in_channels,
+    )  # fmt: skip
+    return BenchShape(text, vision, e.num_attention_heads)
+
+
+def hf_config(shape: BenchShape, token_ids: dict[str, int]):
+    """The transformers config of the same shape, vision token ids from the tokenizer."""
+    from transformers import Qwen2_5_VLConfig
+
+    t, v = shape.text, shape.vision
+    if t.head_dim * t.heads != t.hidden:
+        raise ValueError(f"HF Qwen2.5-VL needs head dim = hidden / heads; the model has {t.head_dim} x {t.heads} "
+                         f"!= {t.hidden}")  # fmt: skip
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=t.vocab, hidden_size=t.hidden, intermediate_size=t.ffn, num_hidden_layers=t.num_layers,
+            num_attention_heads=t.heads, num_key_value_heads=t.kv_heads, rms_norm_eps=t.norm_eps,
+            max_position_embeddings=t.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta, "mrope_section": list(t.mrope_section)},
+        ),
+        vision_config=dict(
+            depth=v.depth, hidden_size=v.hidden, intermediate_size=v.ffn, num_heads=shape.vision_heads,
+            out_hidden_size=v.out_hidden, patch_size=v.patch, temporal_patch_size=v.temporal_patch,
+            spatial_merge_size=v.merge, window_size=v.window_size, fullatt_block_indexes=list(v.fullatt_blocks),
+        ),
+        tie_word_embeddings=t.tie_embeddings,
+        **token_ids,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+
+
+def hf_inputs(mb: dict, image_token_id: int, video_token_id: int) -> dict:
+    """One packed micro-batch of the contract as HF Qwen2.5-VL inputs. HF shifts labels itself
+    (position i predicts labels[i + 1]); the contract's labels are already next-token targets,
+    so they move one place right, with -100 where the loss mask is zero."""
+    import torch
+
+    tokens = mb["tokens"]
+    targets = torch.where(mb["loss_mask"] > 0, mb["labels"], torch.full_like(mb["labels"], -100))
+    labels = torch.cat([torch.full_like(targets[:, :1], -100), targets[:, :-1]], dim=1)
+    mm_types = (tokens == image_token_id).int() + 2 * (tokens == video_token_id).int()
+    out = {"input_ids": tokens, "labels": labels, "mm_token_type_ids": mm_types}
+    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if pixels in mb and mb[pixels].numel():  # packs without images / videos carry empty tensors
+            out[pixels], out[grid] = mb[pixels], mb[grid]
+    return out
+
+
+# --- the data: real bundled images at a fixed resolution, several per sample, real captions ---------
+
+
+def bundled_captions() -> list[tuple[Path, str]]:
+    """(image, caption) of loong-data's bundled photos (their ``caption-*`` conversations)."""
+    from loong_data.multimodal import default_multimodal_dataset
+
+    root = default_multimodal_dataset()
+    out = []
+    for line in (root / "conversations.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if not str(record.get("id", "")).startswith("caption-"):
+            continue
+        user, assistant = record["messages"][0]["content"], record["messages"][1]["content"]
+        image = next(item["image"] for item in user if item["type"] == "image")
+        text = (
+            assistant
+            if isinstance(assistant, str)
+            else " ".join(i["text"] for i in assistant if i["type"] == "text")
+        )
+        out.append((root / image, text))
+    if not out:
+        raise SystemExit(f"no caption-* conversations in {root}")
+    return out
+
+
+def write_bench_data(out: Path, *, image_size: int, images_per_sample: int, num_samples: int) -> Path:
+    """JSONL + images for `data.multimodal.jsonl`: each sample shows ``images_per_sample`` bundled
+    photos resized to ``image_size`` x ``image_size`` and the assistant gives their captions."""
+    from PIL import Image
+
+    pairs = bundled_captions()
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    names = []
+    for path, _ in pairs:
+        name = f"images/{path.stem}.png"
+        with Image.open(path) as im:
+            im.convert("RGB").resize((image_size, image_size), Image.Resampling.BICUBIC).save(out / name)
+        names.append(name)
+    lines = []
+    for i in range(num_samples):
+        picks = [(i * images_per_sample + j) % len(pairs) for j in range(images_per_sample)]
+        content = [{"type": "image", "image": names[k]} for k in picks]
+        content.append({"type": "text", "text": f"Describe these {images_per_sample} images, in order."})
+        answer = " ".join(f"{n + 1}. {pairs[k][1]}" for n, k in enumerate(picks))
+        lines.append(json.dumps({"id": f"bench-{i}", "messages": [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ]}))  # fmt: skip
+    jsonl = out / "bench.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return jsonl
+
+
+def train_overrides(args, jsonl: Path, workdir: Path) -> list[str]:
+    """The train-app overrides of the benchmark job (`--config-name vlm`); the HF worker composes
+    the same config to build the same micro-batches."""
+    from loong_data.multimodal import load_chat_tokenizer
+    from loong_models import load_model_config
+
+    base = load_model_config(args.model)
+    full = [i for i in base.image_encoder.fullatt_block_indexes if i < args.vision_layers]
+    v = load_chat_tokenizer(None).vision  # the bundled chat tokenizer: the model uses its ids
+    pixels = args.image_size * args.image_size
+    per_shard = max(1, args.num_samples // 4)
+    return [
+        f"model={args.model}", f"model.foundation.num_layers={args.text_layers}",
+        f"model.image_encoder.num_layers={args.vision_layers}",
+        f"model.image_encoder.fullatt_block_indexes=[{','.join(map(str, full))}]",
+        f"model.image_token_id={v.image_pad}", f"model.video_token_id={v.video_pad}",
+        f"model.vision_start_token_id={v.vision_start}", f"model.vision_end_token_id={v.vision_end}",
+        f"data.multimodal.jsonl=[{jsonl}]", f"data.multimodal.min_pixels={pixels}",
+        f"data.multimodal.max_pixels={pixels}", f"data.multimodal.samples_per_shard={per_shard}",
+        f"data.seq_length={args.seq}", f"data.cache_dir={workdir}/data-cache",
+        f"train.global_batch_size={args.samples_per_step}", "train.micro_batch_size=1", f"train.dtype={args.dtype}",
+        *args.model_overrides,
+    ]  # fmt: skip
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    from loong_train.main import to_config
+
+    with initialize_config_module("loong_train.configs", version_base=None):
+        return to_config(hydra_compose("vlm", overrides=overrides))
+
+
+# --- the two stacks ------------------------------------------------------------------------------
+
+
+def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float]:
+    cmd = [
+        sys.executable, "-m", "loong_train", "--config-name=vlm", *overrides, f"train.steps={args.steps}",
+        "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false", "train.progress=false",
+        f"train.output_dir={out}", "optim.lr=3e-4", "optim.min_lr=3e-5", f"optim.warmup_steps={args.warmup}",
+        *args.loong_extra,
+    ]  # fmt: skip
+    print("loong:", " ".join(cmd[2:]), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stderr[-6000:], file=sys.stderr)
+        raise SystemExit(f"loong run failed ({proc.returncode})")
+    info = [ln for ln in proc.stderr.splitlines() if "loong_train: model" in ln]
+    print("  ", *info, flush=True)
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r.get("split", "train") == "train"]
+    return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train)
+
+
+def hf_worker(args) -> None:
+    """Runs in its own process: train HF Qwen2_5_VLForConditionalGeneration on the train app's
+    micro-batches; print one JSON line of step times and per-step counts."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from loong_train.multimodal import load_multimodal_data
+
+    overrides = json.loads(args.overrides)
+    cfg = compose(overrides)
+    shape = bench_shape(cfg.model)
+    m = cfg.model
+    ids = dict(image_token_id=m.image_token_id, video_token_id=m.video_token_id,
+               vision_start_token_id=m.vision_start_token_id, vision_end_token_id=m.vision_end_token_id)  # fmt: skip
+    data = load_multimodal_data(cfg.data, cfg.model, is_main=True, seed=cfg.train.seed)
+    batches = data.train_steps(global_batch_size=cfg.train.global_batch_size, dp_rank=0, dp_size=1)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only to smoke-test this script
+    dtype = torch.float32 if args.hf_mode == "amp" else torch.bfloat16
+    model = Qwen2_5_VLForConditionalGeneration(hf_config(shape, ids)).to(device, dtype=dtype)
+    model.train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda"
+    )
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times, counts = [], []
+    for _ in range(args.steps):
+        sync()
+        t0 = time.perf_counter()  # like the train app's step time: building the step's batches included
+        mbs = next(batches)
+        for mb in mbs:
+            inputs = {
+                k: v.to(device, non_blocking=True)
+                for k, v in hf_inputs(mb, m.image_token_id, m.video_token_id).items()
+            }
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=args.hf_mode == "amp"):
+                loss = model(**inputs).loss / len(mbs)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        sync()
+        times.append(time.perf_counter() - t0)
+        c = step_counts(mbs, shape.vision, data.tokenizer.pad_id)
+        counts.append({"tokens": c.tokens, "images": c.images, "patches": c.patches, "vision_flops": c.vision_flops,
+                       "flops": shape.step_flops(c, cfg.data.seq_length)})  # fmt: skip
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    print(json.dumps({"step_times": times, "counts": counts, "peak_gib": peak,
+                      "params": sum(p.numel() for p in model.parameters())}))  # fmt: skip
+
+
+def run_hf(args, mode: str, overrides: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "hf", "--hf-mode", mode, "--overrides", json.dumps(overrides),
+           f"--steps={args.steps}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stderr[-6000:], file=sys.stderr)
+        raise SystemExit(f"hf run ({mode}) failed ({proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class Row:
+    name: str
+    step_times: list[float]
+    peak_gib: float
+
+
+def table(rows: list[Row], counts: list[dict], warmup: int) -> list[str]:
+    """tokens/s, images/s and MFU over the steps after warm-up (totals / total time: packs differ
+    in size from step to step), and the median step time."""
+    kept = counts[warmup:]
+    tokens = sum(c["tokens"] for c in kept)
+    images = sum(c["images"] for c in kept)
+    flops = sum(c["flops"] for c in kept)
+    lines = [
+        f"{'stack':<40} {'step s (med)':>12} {'tokens/s':>10} {'images/s':>9} {'MFU':>6} {'peak GiB':>9}"
+    ]
+    for r in rows:
+        t = sum(r.step_times[warmup:])
+        lines.append(f"{r.name:<40} {statistics.median(r.step_times[warmup:]):12.3f} {tokens / t:10,.0f} "
+                     f"{images / t:9.1f} {flops / t / PEAK_BF16:6.3f} {r.peak_gib:9.1f}")  # fmt: skip
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-vl-3b", help="a VLM of the zoo (Qwen2.5-VL ViT + Qwen2 LLM)")
+    p.add_argument("--text-layers", type=int, default=18, help="LLM layers (Qwen2.5-VL-3B has 36)")
+    p.add_argument("--vision-layers", type=int, default=32, help="ViT layers (32 in every Qwen2.5-VL)")
+    p.add_argument(
+        "--image-size", type=int, default=448, help="images are resized to this square (multiple of 28)"
+    )
+    p.add_argument("--images-per-sample", type=int, default=4)
+    p.add_argument("--samples-per-step", type=int, default=6, help="train.global_batch_size (samples)")
+    p.add_argument("--num-samples", type=int, default=64, help="distinct samples written (the stream cycles)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dtype", default="bf16", help="Loong's train.dtype (fp32 for a CPU smoke run)")
+    p.add_argument(
+        "--hf-modes",
+        nargs="*",
+        default=["amp"],
+        choices=["amp", "bf16"],
+        help="amp: fp32 weights + bf16 autocast (Loong's numerics); bf16: bf16 weights and optimizer",
+    )
+    p.add_argument("--model-overrides", nargs="*", default=[], help="model.* overrides for both stacks")
+    p.add_argument("--skip-loong", action="store_true")
+    p.add_argument("--loong-extra", nargs="*", default=[], help="extra overrides for the Loong run")
+    p.add_argument("--worker", choices=["hf"], help=argparse.SUPPRESS)
+    p.add_argument("--hf-mode", default="amp", help=argparse.SUPPRESS)
+    p.add_argument("--overrides", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker == "hf":
+        return hf_worker(args)
+    if args.image_size % 28:
+        raise SystemExit(f"--image-size {args.image_size} must be a multiple of 28 (patch 14 x merge 2)")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        jsonl = write_bench_data(work / "data", image_size=args.image_size, images_per_sample=args.images_per_sample,
+                                 num_samples=args.num_samples)  # fmt: skip
+        overrides = train_overrides(args, jsonl, work)
+        rows = []
+        if not args.skip_loong:  # first: it converts the data into the shared cache
+            times, peak = run_loong(args, overrides, work / "loong")
+            rows.append(Row("loong " + " ".join(args.loong_extra), times, peak))
+        hf = {}
+        for mode in args.hf_modes:
+            hf = run_hf(args, mode, overrides)
+            rows.append(Row(f"hf transformers ({mode}, sdpa)", hf["step_times"], hf["peak_gib"]))
+    import torch
+
+    cfg = compose(overrides)
+    shape = bench_shape(cfg.model)
+    counts = hf["counts"]
+    kept = counts[args.warmup :]
+    n_llm, n_vis = shape.text.num_parameters(), shape.vision.block_params() + shape.vision.merger_params()
+    print(f"\n{args.model} with {args.text_layers} LLM / {args.vision_layers} ViT layers: {(n_llm + n_vis) / 1e9:.3f}B "
+          f"params ({n_llm / 1e9:.3f}B LLM + {n_vis / 1e9:.3f}B vision; HF built {hf['params'] / 1e9:.3f}B), "
+          f"seq {args.seq}, {args.samples_per_step} samples/step x {args.images_per_sample} images of "
+          f"{args.image_size}x{args.image_size}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")  # fmt: skip
+    print(f"per step (mean after warm-up): {statistics.mean(c['tokens'] for c in kept):,.0f} tokens, "
+          f"{statistics.mean(c['images'] for c in kept):.1f} images, {statistics.mean(c['patches'] for c in kept):,.0f} "
+          f"ViT patches; vision share of the FLOPs {sum(c['vision_flops'] for c in kept) / sum(c['flops'] for c in kept):.1%}; "
+          f"{args.steps - args.warmup} steps after {args.warmup} warm-up")  # fmt: skip
+    print("\n".join(table(rows, counts, args.warmup)))
+    if len(rows) > 1 and not args.skip_loong:
+        loong_t, hf_t = sum(rows[0].step_times[args.warmup :]), sum(rows[1].step_times[args.warmup :])
+        print(f"\nloong / {rows[1].name}: {hf_t / loong_t:.3f}x tokens/s")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

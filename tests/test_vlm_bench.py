@@ -1,0 +1,142 @@
+"""The CPU-cheap parts of bench/vlm_throughput.py: parameter and FLOP accounting against a real
+(tiny, random) HF Qwen2.5-VL, and the translation of a packed micro-batch into HF inputs."""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from vlm_flops import real_tokens, step_counts, vision_flops  # noqa: E402
+from vlm_throughput import bench_shape, hf_config, hf_inputs  # noqa: E402
+
+from loong_models import load_model_config
+
+# the zoo's tiny VLM with a one-layer ViT whose windows (28 px) are smaller than the test images
+MODEL = load_model_config(
+    "tiny-vlm",
+    [
+        "image_encoder.num_layers=3",
+        "image_encoder.window_size=28",
+        "image_encoder.fullatt_block_indexes=[1]",
+        "foundation.num_layers=2",
+        "foundation.family=qwen2",
+    ],
+)  # qkv biases, as HF Qwen2.5-VL
+TINY = bench_shape(MODEL)
+IDS = dict(
+    image_token_id=MODEL.image_token_id,
+    video_token_id=MODEL.video_token_id,
+    vision_start_token_id=MODEL.vision_start_token_id,
+    vision_end_token_id=MODEL.vision_end_token_id,
+)
+IMG, VID, VS, VE = (
+    IDS[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_parameter_counts_match_hf_and_loong(tie):
+    """HF built from the bench's shape has the parameters Loong's config counts, component by component."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    shape = replace(TINY, text=replace(TINY.text, tie_embeddings=tie))
+    model = Qwen2_5_VLForConditionalGeneration(hf_config(shape, IDS))
+    visual = model.model.visual
+    merger = sum(p.numel() for p in visual.merger.parameters())
+    tower = sum(p.numel() for p in visual.parameters()) - merger
+    assert (tower, merger) == (shape.vision.block_params(), shape.vision.merger_params())
+    total = sum(p.numel() for p in model.parameters())
+    assert total - tower - merger == shape.text.num_parameters()
+    e = MODEL.image_encoder
+    assert tower == e.num_parameters()
+    assert merger == MODEL.image_projector.num_parameters(
+        e.hidden_size, e.spatial_merge_size, MODEL.foundation.hidden_size
+    )
+    if tie == MODEL.foundation.tie_word_embeddings:
+        assert shape.text.num_parameters() == MODEL.foundation.num_parameters()
+
+
+def test_vision_flops_by_hand():
+    v = TINY.vision  # window 28 px / patch 14 = 2x2 patches; one full layer, two windowed
+    grid = torch.tensor([[1, 4, 6]])  # 24 patches in one frame
+    expected = (6 * v.block_params() * 24 + 6 * v.merger_params() * 24 / 4
+                + 12 * v.hidden * 24 * (1 * 24 + 2 * 4))  # fmt: skip
+    assert vision_flops(v, grid) == pytest.approx(expected)
+    # two frames: full attention spans one frame, not the whole video
+    assert vision_flops(v, torch.tensor([[2, 4, 6]])) == pytest.approx(2 * expected)
+
+
+def _packed():
+    tokens = torch.tensor([[5, VS, IMG, IMG, VE, 7, 8, 0, 0]])
+    return {
+        "tokens": tokens,
+        "labels": torch.tensor([[VS, IMG, IMG, VE, 7, 8, 9, 0, 0]]),
+        "loss_mask": torch.tensor([[0, 0, 0, 0, 1, 1, 1, 0, 0]], dtype=torch.float32),
+        "cu_seqlens": torch.tensor([0, 7, 9], dtype=torch.int32),
+        "pixel_values": torch.zeros(8, TINY.vision.patch_dim),
+        "image_grid_thw": torch.tensor([[1, 2, 4]]),
+    }
+
+
+def test_hf_inputs_shift_labels_and_mark_images():
+    inputs = hf_inputs(_packed(), image_token_id=IMG, video_token_id=VID)
+    # HF predicts labels[i + 1] at position i: the contract's target of position 4 (token 7) sits at 5
+    assert inputs["labels"].tolist() == [[-100, -100, -100, -100, -100, 7, 8, 9, -100]]
+    assert inputs["mm_token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0, 0, 0, 0]]
+    assert inputs["image_grid_thw"].tolist() == [[1, 2, 4]]
+    mb = {
+        **_packed(),
+        "pixel_values_videos": torch.zeros(0, TINY.vision.patch_dim),
+        "video_grid_thw": torch.zeros(0, 3),
+    }
+    assert "pixel_values_videos" not in hf_inputs(mb, IMG, VID)  # empty media are left out, as HF needs
+
+
+def test_step_counts_exclude_padding():
+    mb = _packed()
+    assert real_tokens(mb, pad_id=0) == 7
+    counts = step_counts([mb, mb], TINY.vision, pad_id=0)
+    assert (counts.tokens, counts.images, counts.patches) == (14, 2, 16)
+    assert counts.vision_flops == pytest.approx(2 * vision_flops(TINY.vision, mb["image_grid_thw"]))
+
+
+def test_hf_loss_is_the_contract_loss():
+    """The shifted labels make HF's own loss the mean next-token loss over loss-mask positions."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(hf_config(TINY, IDS)).eval()
+    mb = _packed()
+    mb["pixel_values"] = torch.randn(8, TINY.vision.patch_dim)
+    with torch.no_grad():
+        out = model(**hf_inputs(mb, IMG, VID))
+        logp = out.logits[0].float().log_softmax(-1)
+    mask = mb["loss_mask"][0].bool()
+    ref = -logp[mask].gather(1, mb["labels"][0][mask][:, None]).mean()
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_bench_data_feeds_both_stacks_the_same_images(tmp_path):
+    """The bench's JSONL (bundled photos at a fixed size, several per sample, real captions) goes
+    through the train app's multimodal path into micro-batches with the expected grids."""
+    import argparse
+
+    from vlm_throughput import compose, train_overrides, write_bench_data
+
+    from loong_train.multimodal import load_multimodal_data
+
+    jsonl = write_bench_data(tmp_path / "data", image_size=56, images_per_sample=3, num_samples=8)
+    args = argparse.Namespace(model="tiny-vlm", text_layers=2, vision_layers=2, image_size=56, num_samples=8,
+                              seq=256, samples_per_step=4, dtype="fp32", model_overrides=[])  # fmt: skip
+    cfg = compose(train_overrides(args, jsonl, tmp_path))
+    assert cfg.model.foundation.num_layers == 2 and cfg.data.multimodal.max_pixels == 56 * 56
+    data = load_multimodal_data(cfg.data, cfg.model, is_main=True, seed=0)
+    mbs = next(data.train_steps(global_batch_size=4, dp_rank=0, dp_size=1))
+    grids = torch.cat([mb["image_grid_thw"] for mb in mbs])
+    assert grids.tolist() == [[1, 4, 4]] * 12  # 4 samples x 3 images, 56 px / patch 14
+    image_tokens = sum(int((mb["tokens"] == cfg.model.image_token_id).sum()) for mb in mbs)
+    assert image_tokens == 12 * 4  # 16 patches / merge 2x2 per image
+    assert sum(mb["pixel_values"].shape[0] for mb in mbs) == 12 * 16
