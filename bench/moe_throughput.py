@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: --gpus)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (cosine to lr / 10)")
+    p.add_argument(
+        "--real-routing",
+        action="store_true",
+        help="route with the random router as is (default: megatron's forced load balancing, see below)",
+    )
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--device", default="cuda", help="LOONG_DEVICE of the runs (cpu: smoke-test this script)")
@@ -103,6 +108,11 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         # job) collapses the random router onto 8 experts within a few steps (load imbalance 16 on an
         # H200 run), which would measure one busy EP rank instead of expert parallelism
         f"optim.lr={args.lr}", f"optim.min_lr={args.lr / 10}",
+        # A randomly initialised router sends nearly every token to the same 8 experts at this width
+        # (the residual stream is dominated by the token-independent attention output: load imbalance
+        # ~14 from step 1 on an H200 run), so one EP rank does all the expert work. Throughput is
+        # measured with balanced routing, as a trained router gives (megatron's benchmark switch).
+        *([] if args.real_routing else ["++model.foundation.extra.moe_router_force_load_balancing=true"]),
         *VARIANTS[variant], *args.extra,
     ]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
