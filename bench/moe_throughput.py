@@ -108,9 +108,9 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         # job) collapses the random router onto 8 experts within a few steps (load imbalance 16 on an
         # H200 run), which would measure one busy EP rank instead of expert parallelism
         f"optim.lr={args.lr}", f"optim.min_lr={args.lr / 10}",
-        # A randomly initialised router sends nearly every token to the same 8 experts at this width
-        # (the residual stream is dominated by the token-independent attention output: load imbalance
-        # ~14 from step 1 on an H200 run), so one EP rank does all the expert work. Throughput is
+        # A randomly initialised router sent nearly every token to the same 8 experts at this width
+        # (load imbalance ~14 from step 1 on an H200 run; likely because the token-specific part of the
+        # residual stream is small at init), so one EP rank did all the expert work. Throughput is
         # measured with balanced routing, as a trained router gives (megatron's benchmark switch).
         *([] if args.real_routing else ["++model.foundation.extra.moe_router_force_load_balancing=true"]),
         *VARIANTS[variant], *args.extra,
