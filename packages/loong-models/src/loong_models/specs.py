@@ -197,10 +197,8 @@ def vision_block_spec(
     if backend == "te":
         from megatron.core.extensions.transformer_engine import TENorm
 
-        base, final_norm = (
-            get_gpt_layer_with_transformer_engine_spec(normalization=config.normalization),
-            TENorm,
-        )
+        # TE's fused norm-linears and TENorm take the norm type from config.normalization
+        base, final_norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
     else:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
