@@ -47,16 +47,12 @@ def test_te_lora_linear_equals_plain_torch(megatron_cuda, target):
     ]
     assert type(module).__name__.startswith("LoraTE")
     fused_norm = hasattr(module, "layer_norm_weight")
-    with torch.no_grad():
-        module.lora_b.normal_()
     x = torch.randn(8, 2, module.lora_a.shape[1], device="cuda", requires_grad=True)
-    out, _ = module(x)
-
-    with torch.no_grad():
-        saved = module.lora_b.detach().clone()
+    with torch.no_grad():  # the base layer alone (zero B), before `out` saves B for its backward
         module.lora_b.zero_()
         base_out, _ = module(x)
-        module.lora_b.copy_(saved)
+        module.lora_b.normal_()
+    out, _ = module(x)
     inp = x.detach()
     if fused_norm:  # RMSNorm with the layer's fused norm weight
         inp = (
