@@ -11,7 +11,7 @@ def test_warmup_then_cosine_to_min_lr(megatron_cpu):
     f = FoundationConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, vocab_size=128)
     config = build_transformer_config(f, use_cpu_initialization=True)
     chunks = build_model_chunks(
-        lambda pre, post, vp: build_model(ModelConfig(f, "local"), config, device_type="cpu"),
+        lambda pre, post, vp: build_model(ModelConfig(f, layer_backend="local"), config, device_type="cpu"),
         ParallelConfig(), config, get_accelerator("cpu"),
     )  # fmt: skip
     ocfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4, schedule="cosine")
