@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from train_app import run_train_app  # noqa: E402
+
 PEAK = 989e12
 
 
@@ -48,14 +51,7 @@ def run_loong(args, out: Path) -> tuple[list[float], float]:
         f"optim.warmup_steps={args.warmup}", "train.dtype=bf16", *args.loong_extra,
     ]  # fmt: skip
     print("loong:", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        print(proc.stderr[-6000:], file=sys.stderr)
-        raise SystemExit(f"loong run failed ({proc.returncode})")
-    info = [ln for ln in proc.stderr.splitlines() if "loong_train: model" in ln]
-    print("  ", *info, flush=True)
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r.get("split", "train") == "train"]
+    train = run_train_app(cmd, out, label="loong run")
     return [r["step_time_s"] for r in train if r["step"] > args.warmup], max(r["peak_mem_gib"] for r in train)
 
 

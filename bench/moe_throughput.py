@@ -18,14 +18,15 @@ one token uses (active: attention, router, top-k experts, embeddings), as the tr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_app import run_train_app  # noqa: E402
 
 PEAK = 989e12
 
@@ -104,9 +105,7 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         f"train.dtype={args.dtype}", "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false",
         "train.progress=false", f"train.output_dir={out}", f"data.cache_dir={out.parent}/data",
         f"optim.warmup_steps={args.warmup}", f"parallel.ep={args.ep}", "parallel.distributed_optimizer=true",
-        # a learning rate of this model size: the app's default (3e-3, tuned for the 5M-parameter default
-        # job) collapses the random router onto 8 experts within a few steps (load imbalance 16 on an
-        # H200 run), which would measure one busy EP rank instead of expert parallelism
+        # a learning rate of this model size (the app's default 3e-3 is tuned for the 5M-parameter job)
         f"optim.lr={args.lr}", f"optim.min_lr={args.lr / 10}",
         # A randomly initialised router sent nearly every token to the same 8 experts at this width
         # (load imbalance ~14 from step 1 on an H200 run; likely because the token-specific part of the
@@ -124,13 +123,8 @@ def run_variant(args, variant: str, workdir: Path, f) -> Result:
     cmd = train_command(args, variant, out)
     print(f"{variant}:", " ".join(cmd[cmd.index("loong_train") + 1 :]), flush=True)
     env = dict(os.environ, LOONG_DEVICE=args.device, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode:
-        print(proc.stderr[-6000:], file=sys.stderr)
-        raise SystemExit(f"variant {variant} failed ({proc.returncode})")
-    print("  ", *[ln for ln in proc.stderr.splitlines() if "loong_train: model" in ln], flush=True)
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r.get("split", "train") == "train" and r["step"] > args.warmup]
+    rows = run_train_app(cmd, out, label=f"variant {variant}", env=env)
+    train = [r for r in rows if r["step"] > args.warmup]
     step_s = statistics.median(r["step_time_s"] for r in train)
     tps = args.mbs * args.microbatches * args.gpus * args.seq / step_s / args.gpus
     imbalance = statistics.mean(r.get("moe_load_imbalance", float("nan")) for r in train)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from train_app import run_train_app  # noqa: E402
 from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops, step_counts  # noqa: E402
 
 
@@ -240,14 +241,7 @@ def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float
         *args.loong_extra,
     ]  # fmt: skip
     print("loong:", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        print(proc.stderr[-6000:], file=sys.stderr)
-        raise SystemExit(f"loong run failed ({proc.returncode})")
-    info = [ln for ln in proc.stderr.splitlines() if "loong_train: model" in ln]
-    print("  ", *info, flush=True)
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in rows if r.get("split", "train") == "train"]
+    train = run_train_app(cmd, out, label="loong run")
     return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train)
 
 

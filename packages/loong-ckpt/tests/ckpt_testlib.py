@@ -103,3 +103,19 @@ def get_converted_vlm(tmp_path_factory) -> Converted:
         _CONVERTED["qwen2.5-vl"] = Converted("qwen2.5-vl", hf, base / "ckpt", base / "inputs.pt",
                                              hf_vlm_logits(hf, inputs))  # fmt: skip
     return _CONVERTED["qwen2.5-vl"]
+
+
+class DictReader:
+    """An in-memory HF tensor source (mapping.SliceReader) for per-rank slicing tests."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name, dim=None, start=0, stop=None):
+        t = self.tensors[name]
+        return (
+            t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
+        )

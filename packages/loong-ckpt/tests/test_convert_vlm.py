@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_testlib import get_converted_vlm, logits_in_process, run_workers
+from ckpt_testlib import DictReader, get_converted_vlm, logits_in_process, run_workers
 from hf_models import VLM_TOKENS, hf_vlm_logits, make_hf_vlm
 from safetensors.torch import load_file, save_file
 
@@ -36,20 +36,6 @@ def _assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
-
-
-class DictReader:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def read(self, name, dim=None, start=0, stop=None):
-        t = self.tensors[name]
-        return (
-            t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
-        )
 
 
 def test_packed_qkv_layout_is_megatrons():

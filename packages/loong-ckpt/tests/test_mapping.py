@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ckpt_testlib import DictReader
 
 from loong_ckpt.families import MAPPINGS, get_mapping
 from loong_ckpt.mapping import GATE_UP, QKV, Rule, Split
@@ -12,20 +13,6 @@ from loong_models import FAMILIES, FoundationConfig
 
 CFG = FoundationConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,
                        num_query_groups=4, kv_channels=4, vocab_size=100, make_vocab_size_divisible_by=16)  # fmt: skip
-
-
-class DictReader:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def read(self, name, dim=None, start=0, stop=None):
-        t = self.tensors[name]
-        return (
-            t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
-        )
 
 
 def test_every_llm_family_has_a_mapping():

@@ -71,7 +71,7 @@ class ImageProjector(MegatronModule):
             ffn_hidden_size=config.ffn_hidden_size,
                        tp_group=tp_group)  # fmt: skip
 
-    def set_input_tensor(self, input_tensor) -> None:
+    def set_input_tensor(self, input_tensor) -> None:  # the projector never sits on a later PP stage
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
