@@ -175,7 +175,12 @@ def hf_to_mcore(
     force: bool = False,
     progress: bool = True,
 ) -> ConvertResult:
-    """Convert an HF directory into a complete Loong checkpoint directory ``out``."""
+    """Convert an HF directory into a complete Loong checkpoint directory ``out`` (a diffusers
+    ``WanTransformer3DModel`` directory too: :mod:`loong_ckpt.diffusion`)."""
+    from loong_ckpt.diffusion import diffusers_to_mcore, is_diffusers_wan
+
+    if is_diffusers_wan(src):
+        return diffusers_to_mcore(src, out, dtype=dtype, force=force, progress=progress)
     t0 = time.perf_counter()
     src, out = Path(src), Path(out).absolute()
     check_output_dir(out, force)
@@ -319,6 +324,11 @@ def mcore_to_hf(
     check_output_dir(out, force)
     if src.name.endswith(PARTIAL_SUFFIX):
         raise ConversionError(f"{src} is an incomplete checkpoint (interrupted save); it cannot be converted")
+    from loong_ckpt.diffusion import is_diffusion_checkpoint, mcore_to_diffusers
+
+    meta_path = src / META_FILE
+    if meta_path.is_file() and is_diffusion_checkpoint(meta := json.loads(meta_path.read_text())):
+        return mcore_to_diffusers(src, out, meta, dtype=dtype, force=force, max_shard_bytes=max_shard_bytes)
     model_cfg, meta = _checkpoint_model(src, foundation)
     cfg = foundation_of(model_cfg)
     lora = meta.get("lora")

@@ -11,6 +11,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from omegaconf import OmegaConf
 
+from loong_models.diffusion import WanConfig, WanModel, build_wan_transformer_config
+from loong_models.diffusion.towers import TextEncoderConfig, VaeConfig
 from loong_models.foundation import FoundationConfig, build_foundation
 from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
 from loong_models.image_projector import (
@@ -43,12 +45,24 @@ class ModelConfig:
     layer_backend: str = "auto"
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
+    # Diffusion models (Wan): the denoising transformer, and the frozen VAE / text encoder that
+    # make its inputs. With ``diffusion`` set the model is the DiT and ``foundation`` is unused.
+    diffusion: WanConfig | None = None
+    vae: VaeConfig | None = None
+    text_encoder: TextEncoderConfig | None = None
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.diffusion is not None
 
     @property
     def is_multimodal(self) -> bool:
         return self.image_encoder is not None
 
     def validate(self, prefix: str = "model") -> None:
+        if self.is_diffusion:
+            self._validate_diffusion(prefix)
+            return
         self.foundation.validate(f"{prefix}.foundation")
         if (self.image_encoder is None) != (self.image_projector is None):
             raise ValueError(f"{prefix}.image_encoder and {prefix}.image_projector must both be set (a VLM) "
@@ -72,8 +86,27 @@ class ModelConfig:
             raise ValueError(f"{prefix}.image_projector.tensor_model_parallel_size={ptp}: the projector runs on "
                              f"the encoder's group; use null or the encoder's size ({etp})")  # fmt: skip
 
+    def _validate_diffusion(self, prefix: str) -> None:
+        assert self.diffusion is not None
+        self.diffusion.validate(f"{prefix}.diffusion")
+        if self.image_encoder is not None or self.lora is not None:
+            raise ValueError(f"{prefix}.diffusion: image_encoder / lora are not supported with a diffusion model")
+        if self.vae is not None:
+            self.vae.validate(f"{prefix}.vae")
+            if self.vae.z_dim != self.diffusion.out_channels:
+                raise ValueError(f"{prefix}.vae.z_dim={self.vae.z_dim} != {prefix}.diffusion.out_channels="
+                                 f"{self.diffusion.out_channels}")  # fmt: skip
+        if self.text_encoder is not None:
+            self.text_encoder.validate(f"{prefix}.text_encoder")
+            if self.text_encoder.d_model != self.diffusion.text_dim:
+                raise ValueError(f"{prefix}.text_encoder.d_model={self.text_encoder.d_model} != "
+                                 f"{prefix}.diffusion.text_dim={self.diffusion.text_dim}")  # fmt: skip
+
     def num_parameters(self) -> int:
-        """Exact parameter count of what gets built (unpadded vocab), all components."""
+        """Exact parameter count of what gets built (unpadded vocab), all components (for a
+        diffusion model: the trained transformer; the frozen VAE and text encoder are not built)."""
+        if self.diffusion is not None:
+            return self.diffusion.num_parameters()
         n = self.foundation.num_parameters()
         if self.image_encoder is not None:
             e = self.image_encoder
@@ -155,6 +188,8 @@ def build_model(
     ``loong_parallel.component_process_groups``); otherwise megatron's global groups are used.
     """
     backend = resolve_backend(cfg.layer_backend, device_type)
+    if cfg.diffusion is not None:
+        return _build_diffusion(cfg, config, backend)
     foundation = build_foundation(
         cfg.foundation,
         config,
@@ -198,6 +233,20 @@ def build_model(
     )  # fmt: skip
     # encoder and projector: None on pipeline stages after the first
     return _with_lora(cfg, model, {"foundation": foundation, "image_encoder": encoder, "image_projector": projector})
+
+
+def _build_diffusion(cfg: ModelConfig, config: TransformerConfig, backend: str) -> WanModel:
+    """The Wan DiT, with the runtime's precision and TP size (``config`` is the foundation's
+    TransformerConfig: only its runtime fields are read)."""
+    assert cfg.diffusion is not None
+    tp = cfg.diffusion.tensor_model_parallel_size or config.tensor_model_parallel_size
+    if tp != config.tensor_model_parallel_size:
+        raise ValueError(f"model.diffusion.tensor_model_parallel_size={tp} must equal the run's "
+                         f"tensor-parallel size {config.tensor_model_parallel_size}")  # fmt: skip
+    wconfig = build_wan_transformer_config(cfg.diffusion, config, tensor_model_parallel_size=tp, backend=backend)
+    model = WanModel(cfg.diffusion, wconfig, layer_backend=backend)
+    _apply_component_settings(model, cfg.diffusion.freeze, replicated=False)
+    return model
 
 
 def _with_lora(cfg: ModelConfig, model: torch.nn.Module, components: dict) -> torch.nn.Module:
