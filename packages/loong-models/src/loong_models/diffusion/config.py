@@ -65,7 +65,7 @@ class WanConfig:
             raise ValueError(f"{prefix}.freq_dim={self.freq_dim} must be even")
         if any(p % 2 for p in self.rope_split) or min(self.rope_split) < 2:
             raise ValueError(f"{prefix}.attention_head_dim={self.attention_head_dim} does not split into even "
-                             f"frame/height/width RoPE parts {self.rope_split} (use a multiple of 12, e.g. 24 or 128)")  # fmt: skip
+                             f"frame/height/width RoPE parts {self.rope_split} (e.g. 24 or 128)")  # fmt: skip
         if self.recompute not in (None, "full"):
             raise ValueError(f"{prefix}.recompute={self.recompute!r}; allowed: null, full")
         if self.tensor_model_parallel_size is not None and self.tensor_model_parallel_size < 1:
