@@ -46,6 +46,7 @@ class Towers:
 
     def __init__(self, vae, text_encoder, tokenizer, text_len: int) -> None:
         self.vae, self.text_encoder, self.tokenizer, self.text_len = vae.eval(), text_encoder.eval(), tokenizer, text_len
+        tokenizer.padding_side = "right"  # the caption's tokens first, zeros after (Wan's context)
 
     @classmethod
     def build(cls, vae_cfg: dict, text_cfg: dict, *, text_len: int, seed: int, tokenizer: str | None = None,
@@ -142,7 +143,7 @@ def prepare_diffusion_shards(items: list[CaptionedMedia], out: str | Path, *, va
         raise ValueError("diffusion-prepare: no captioned media to encode")
     towers = Towers.build(vae, text_encoder, text_len=text_len, seed=seed, tokenizer=tokenizer,
                           vae_dir=vae_dir, text_dir=text_dir)  # fmt: skip
-    temporal = 2 ** sum(towers.vae.config.temperal_downsample)
+    temporal = 4  # AutoencoderKLWan encodes the first frame, then chunks of 4: clips of 1 + 4k frames
     latents, contexts = _encode_all(items, towers, size, temporal, batch)
     flat = torch.cat([z.flatten(1) for z in latents], dim=1)  # per channel over every sample
     mean, std = flat.mean(1), flat.std(1)

@@ -31,6 +31,7 @@ def build(out: Path = OUT) -> Path:
         if tok(probe).input_ids != want:
             raise RuntimeError(f"converted tokenizer disagrees with sentencepiece on {probe!r}")
         tok.pad_token = tok.unk_token  # id 0, umT5's pad id; padded positions are masked anyway
+        tok.padding_side = "right"  # text first, then padding (Wan's context layout)
         out.mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(out)
     from tokenizers import Tokenizer
