@@ -34,8 +34,8 @@ def test_balanced_loss_equals_unbalanced_loss(tmp_path, data_cache) -> None:
     overrides = [
         *TINY, f"data.cache_dir={data_cache}", "data.packing=thd", "data.seq_length=128",
         "data.thd.median_length=16", "data.thd.long_fraction=0.1", "train.global_batch_size=32",
-        f"train.steps={STEPS}", "train.eval_iters=0", "data.balance.min_imbalance=0.0",
-        "data.balance.refit_warmup_steps=1", "data.balance.refit_interval=1",
+        f"train.steps={STEPS}", "train.eval_iters=0", "parallel.balance.min_imbalance=0.0",
+        "parallel.balance.refit_warmup_steps=1", "parallel.balance.refit_interval=1",
     ]  # fmt: skip
     out = tmp_path / "runs.json"
     proc = torchrun("dp_balance_runs.py", str(out), *overrides, cwd=tmp_path)

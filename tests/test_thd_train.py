@@ -15,7 +15,7 @@ def compose_config(*overrides: str):
 
 def test_default_job_keeps_fixed_packing_and_no_balancing() -> None:
     cfg = compose_config()
-    assert cfg.data.packing == "fixed" and not cfg.data.balance.enabled
+    assert cfg.data.packing == "fixed" and not cfg.parallel.balance.enabled
 
 
 @pytest.mark.parametrize(
@@ -23,8 +23,8 @@ def test_default_job_keeps_fixed_packing_and_no_balancing() -> None:
     [
         (["data.packing=bshd"], r"data.packing='bshd'; allowed: fixed, thd"),
         (["data.packing=thd", "data.thd.strategy=best"], r"data.thd.strategy='best'; allowed: ffd, sequential"),
-        (["data.balance.enabled=true"], r"data.balance.enabled=true needs data.packing=thd"),
-        (["data.packing=thd", "data.balance.max_tokens_per_rank=8"], r"max_tokens_per_rank=8 must be null or >="),
+        (["parallel.balance.enabled=true"], r"parallel.balance.enabled=true needs data.packing=thd"),
+        (["data.packing=thd", "parallel.balance.max_tokens_per_rank=8"], r"max_tokens_per_rank=8 must be null or >="),
     ],
 )
 def test_packing_config_errors_name_the_key(overrides, message) -> None:

@@ -1,4 +1,4 @@
-"""`train` entry point: compose the Hydra config, validate it, run the loop, say where things are."""
+"""`train` entry point: compose the Hydra config, run ``Trainer(cfg).fit()``, say where things are."""
 
 from __future__ import annotations
 
@@ -45,16 +45,17 @@ def to_config(raw: DictConfig):
 
 @hydra.main(config_path="configs", config_name="config", version_base=None)
 def _hydra_main(raw: DictConfig) -> None:
-    from loong_train.loop import run
+    from loong_data.step_data import DataError
     from loong_train.schema import ConfigError
+    from loong_train.trainer import Trainer
 
     try:
         cfg = to_config(raw)
     except OmegaConfBaseException as e:
         sys.exit(f"config error: {e}".splitlines()[0] + _detail(e))
     try:
-        summary = run(cfg)
-    except ConfigError as e:
+        summary = Trainer(cfg).fit()
+    except (ConfigError, DataError) as e:
         sys.exit(f"config error: {e}")
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loong_parallel.balance.config import BalanceConfig
+
 MOE_DISPATCHERS = ("alltoall", "allgather")
 # megatron-core's fine-grained activation offloading points (the input of each module goes to host).
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
@@ -36,6 +38,8 @@ class ParallelConfig:
     # Fine-grained activation offloading: the inputs of these modules are kept in host memory
     # between forward and backward (CUDA); empty = off. Choices: OFFLOAD_MODULES.
     offload_activations: list[str] = field(default_factory=list)
+    # Data-parallel load balancing of packed samples (data.packing=thd)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
 
     @property
     def expert_tp(self) -> int:
@@ -63,6 +67,8 @@ class ParallelConfig:
     ) -> None:
         """Raise ValueError naming the key when the layout cannot hold the model. The MoE
         arguments describe the model's experts (None: a dense model)."""
+        for error in self.balance.errors():
+            raise ValueError(error)
         for key in ("tp", "pp", "ep"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)} must be >= 1")
