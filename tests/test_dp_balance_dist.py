@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_helpers import TINY, env_for_train
+
+from loong_train.testing import TINY
+from loong_xpu.testing import launch_env
 
 TESTS = Path(__file__).parent
 STEPS = 4
@@ -19,7 +21,7 @@ REL_TOL = 1e-6
 def torchrun(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
            str(TESTS / script), *args]
-    return subprocess.run(cmd, cwd=cwd, env=env_for_train(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.dist

@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 import torch
-from train_helpers import make_runner
 
 from loong_ckpt.mcore_io import read_metadata, read_regions
+from loong_train.testing import make_runner
 
 # The job as configured, shortened; a constant LR makes a 3-step run the prefix of a 6-step run.
 VLM = ["--config-name=vlm", "train.tensorboard=false", "train.progress=false", "train.eval_iters=1"]
