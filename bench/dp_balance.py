@@ -118,11 +118,12 @@ def real(args: argparse.Namespace, overrides: list[str]) -> int:
 
     import loong_train
     from loong_parallel import init_distributed, shutdown
-    from loong_train.main import _quiet_third_party, _setup_logging, to_config
+    from loong_train.main import _setup_logging, to_config
     from loong_train.trainer import Trainer
     from loong_xpu import get_accelerator
+    from loong_xpu.log import quiet_megatron
 
-    _quiet_third_party()
+    quiet_megatron()
     _setup_logging()
     base = REAL_DEFAULTS + (TINY if args.tiny else []) + [f"train.steps={args.steps}"]
     config_dir = str(Path(loong_train.__file__).parent / "configs")
