@@ -126,7 +126,7 @@ def test_bench_data_feeds_both_stacks_the_same_images(tmp_path):
 
     from vlm_throughput import compose, train_overrides, write_bench_data
 
-    from loong_train.trainer import run_data
+    from loong_train.trainer import run_data, step_layout
 
     jsonl = write_bench_data(tmp_path / "data", image_size=56, images_per_sample=3, num_samples=8)
     args = argparse.Namespace(model="tiny-vlm", text_layers=2, vision_layers=2, image_size=56, num_samples=8,
@@ -134,7 +134,7 @@ def test_bench_data_feeds_both_stacks_the_same_images(tmp_path):
     cfg = compose(train_overrides(args, jsonl, tmp_path))
     assert cfg.model.foundation.num_layers == 2 and cfg.data.multimodal.max_pixels == 56 * 56
     cfg.train.global_batch_size, cfg.train.seed = 4, 0
-    data = run_data(cfg, num_microbatches=4)
+    data = run_data(cfg, step_layout(cfg, num_microbatches=4))
     mbs = next(data.train_steps())
     grids = torch.cat([mb["image_grid_thw"] for mb in mbs])
     assert grids.tolist() == [[1, 4, 4]] * 12  # 4 samples x 3 images, 56 px / patch 14

@@ -122,12 +122,12 @@ def text_only_tokenizer(tmp_path_factory):
 def test_bad_multimodal_config_names_the_key(overrides, message, text_only_tokenizer, tmp_path):
     from loong_data.step_data import DataError
     from loong_train.schema import ConfigError, validate
-    from loong_train.trainer import run_data
+    from loong_train.trainer import run_data, step_layout
 
     overrides = [o.replace("TEXT_TOKENIZER", str(text_only_tokenizer)) for o in overrides]
     cfg = _compose([*overrides, f"data.cache_dir={tmp_path}"])
     with pytest.raises((ConfigError, DataError)) as e:
-        run_data(cfg, num_microbatches=validate(cfg, world_size=1))
+        run_data(cfg, step_layout(cfg, num_microbatches=validate(cfg, world_size=1)))
     assert message in str(e.value)
 
 

@@ -5,12 +5,18 @@ validates the result before anything starts, so a bad key or value fails naming 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
 
-DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+class DType(StrEnum):
+    auto = "auto"  # the accelerator's preferred dtype (bf16 on GPU, fp32 on CPU)
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
 
 
 @dataclass
@@ -19,7 +25,7 @@ class TrainConfig:
     micro_batch_size: int = 4
     global_batch_size: int = 16
     seed: int = 1234
-    dtype: str = "auto"  # auto = the accelerator's preferred dtype (bf16 on GPU, fp32 on CPU)
+    dtype: DType = DType.auto
     device: str = "auto"  # LOONG_DEVICE: auto | cuda | cpu | an installed plugin
     output_dir: str = "runs/default"
     log_interval: int = 1
@@ -36,8 +42,6 @@ class TrainConfig:
 
     def errors(self) -> list[str]:
         errors = []
-        if self.dtype not in DTYPES:
-            errors.append(f"train.dtype={self.dtype!r}; allowed: {', '.join(DTYPES)}")
         if self.steps < 0:
             errors.append(f"train.steps={self.steps} must be >= 0 (0 saves the initial weights)")
         if self.export_hf_interval < 0:
@@ -137,15 +141,7 @@ def patch_geometry(model: ModelConfig) -> PatchGeometry | None:
 
 def check_data_fits_model(model: ModelConfig, tokenizer) -> None:
     """The tokenizer's ids fit the model: its vocabulary, and a VLM's vision token ids."""
-    vision = getattr(tokenizer, "vision", None)
-    if model.image_encoder is not None and vision is not None:
-        pairs = {"image_token_id": vision.image_pad, "video_token_id": vision.video_pad,
-                 "vision_start_token_id": vision.vision_start, "vision_end_token_id": vision.vision_end}  # fmt: skip
-        for key, tok_id in pairs.items():
-            model_id = getattr(model, key)
-            if model_id is not None and model_id != tok_id:
-                raise ConfigError(f"model.{key}={model_id} but the tokenizer ({tokenizer.path}) has id {tok_id} for "
-                                  f"that token; set model.{key}={tok_id}")  # fmt: skip
-    if tokenizer.vocab_size > model.foundation.vocab_size:
-        raise ConfigError(f"model.foundation.vocab_size={model.foundation.vocab_size} is smaller than the "
-                          f"tokenizer's vocabulary ({tokenizer.vocab_size}, {tokenizer.path})")  # fmt: skip
+    try:
+        model.check_tokenizer(tokenizer.vocab_size, getattr(tokenizer, "vision", None), source=str(tokenizer.path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

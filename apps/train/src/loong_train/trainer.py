@@ -4,12 +4,14 @@ here. Everything parallel is loong-parallel's, every model detail loong-models',
 loong-ckpt's, every sample loong-data's.
 
 Extension seams (apps/train/README.md): a model kind is a ``loong_parallel.ModelKind`` passed as
-``Trainer(cfg, model=...)``; a data kind is registered with ``loong_data.step_data.register_data_kind``.
+``Trainer(cfg, model=...)``; a data kind is a ``loong_data.step_data.DataKind`` with its loader, or
+a ``StepData`` factory passed as ``Trainer(cfg, data=...)``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,13 +63,17 @@ class RunSummary:
     tokens_per_s: float | None = None
 
 
-def run_data(cfg: Config, *, num_microbatches: int, dp: DataParallel | None = None, device: torch.device | None = None,
-             is_main: bool = True) -> StepData:  # fmt: skip
-    """The run's step data for this DP rank (``dp`` None: a single process), checked against the model."""
+def step_layout(cfg: Config, *, num_microbatches: int, dp: DataParallel | None = None,
+                device: torch.device | None = None) -> StepLayout:  # fmt: skip
+    """What the data needs to know about the run (``dp`` None: a single process)."""
     t = cfg.train
-    layout = StepLayout(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-                        num_microbatches=num_microbatches, eval_iters=t.eval_iters, seed=t.seed, device=device,
-                        **(dict(dp_rank=dp.rank, dp_size=dp.size, dp_group=dp.group) if dp else {}))  # fmt: skip
+    return StepLayout(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+                      num_microbatches=num_microbatches, eval_iters=t.eval_iters, seed=t.seed, device=device,
+                      **(dict(dp_rank=dp.rank, dp_size=dp.size, dp_group=dp.group) if dp else {}))  # fmt: skip
+
+
+def run_data(cfg: Config, layout: StepLayout, *, is_main: bool = True) -> StepData:
+    """The run's step data for ``layout``'s DP rank, checked against the model."""
     data = build_step_data(cfg.data, layout, is_main=is_main, patches=patch_geometry(cfg.model))
     check_data_fits_model(cfg.model, data.tokenizer)
     return data
@@ -75,13 +81,15 @@ def run_data(cfg: Config, *, num_microbatches: int, dp: DataParallel | None = No
 
 class Trainer:
     """One training run. ``model``: the model kind (default: the zoo's language models, VLMs
-    included, built from ``cfg.model``). Construction runs :meth:`setup` and :meth:`restore`."""
+    included, built from ``cfg.model``); ``data``: ``data(layout) -> StepData`` (default: from
+    ``cfg.data``). Construction runs :meth:`setup` and :meth:`restore`."""
 
-    def __init__(self, cfg: Config, model: ModelKind | None = None):
+    def __init__(self, cfg: Config, model: ModelKind | None = None,
+                 data: Callable[[StepLayout], StepData] | None = None):  # fmt: skip
         self.cfg = cfg
         self._exit = ExitStack()
         try:
-            self.setup(model)
+            self.setup(model, data)
             self.start_step = self.restore()
         except BaseException:
             self._exit.close()
@@ -89,7 +97,7 @@ class Trainer:
 
     # --- setup ------------------------------------------------------------------------------------
 
-    def setup(self, model: ModelKind | None) -> None:
+    def setup(self, model: ModelKind | None, data: Callable[[StepLayout], StepData] | None = None) -> None:
         """Devices and process groups, data, model chunks, optimizer, metrics."""
         cfg, t = self.cfg, self.cfg.train
         self.accel = get_accelerator(None if t.device == "auto" else t.device)
@@ -103,16 +111,13 @@ class Trainer:
         initialize_model_parallel(cfg.parallel, env.world_size)
         seed_everything(t.seed)
         self.dp = data_parallel()
-        self.data = self._build_data()
+        layout = step_layout(cfg, num_microbatches=self.num_microbatches, dp=self.dp, device=self.device)
+        self.data = data(layout) if data else run_data(cfg, layout, is_main=self.is_main)
         self.model = model or LanguageModel.from_config(cfg.model, self.accel.device_type)
         self._build_model()
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, cfg.parallel, self.chunks, dtype=self.dtype,
                                                          total_steps=t.steps)  # fmt: skip
         self.out_dir = Path(t.output_dir)
-
-    def _build_data(self) -> StepData:
-        return run_data(self.cfg, num_microbatches=self.num_microbatches, dp=self.dp, device=self.device,
-                        is_main=self.is_main)  # fmt: skip
 
     def _build_model(self) -> None:
         p, device_type = self.cfg.parallel, self.accel.device_type

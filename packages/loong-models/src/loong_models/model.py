@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -82,6 +83,21 @@ class ModelConfig:
                 e.hidden_size, e.spatial_merge_size, self.foundation.hidden_size
             )
         return n
+
+    def check_tokenizer(self, vocab_size: int, vision: Any = None, *, source: str = "the tokenizer") -> None:
+        """Raise ValueError naming the key when a tokenizer's ids do not fit this model: its
+        vocabulary, and (``vision``: ids ``image_pad``, ``video_pad``, ``vision_start``,
+        ``vision_end``, e.g. loong-data's ChatTokenizer.vision) a VLM's vision token ids."""
+        if self.image_encoder is not None and vision is not None:
+            for key, token in (("image_token_id", "image_pad"), ("video_token_id", "video_pad"),
+                               ("vision_start_token_id", "vision_start"), ("vision_end_token_id", "vision_end")):  # fmt: skip
+                mine, theirs = getattr(self, key), getattr(vision, token)
+                if mine is not None and mine != theirs:
+                    raise ValueError(f"model.{key}={mine} but the tokenizer ({source}) has id {theirs} for "
+                                     f"that token; set model.{key}={theirs}")  # fmt: skip
+        if vocab_size > self.foundation.vocab_size:
+            raise ValueError(f"model.foundation.vocab_size={self.foundation.vocab_size} is smaller than the "
+                             f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
 
     def flops_per_patch(self) -> float:
         """Training FLOPs per ViT patch of the image encoder and projector, 6 N per token (the

@@ -5,7 +5,8 @@
                                            num_microbatches=4, eval_iters=2, seed=0), is_main=True)
     microbatches = next(data.train_steps())   # dicts: tokens, labels, loss_mask, position_ids (+ ...)
 
-A new data kind plugs in with :func:`register_data_kind` (a loader returning a StepData).
+A new data kind is a :class:`DataKind` member with a loader in ``_LOADERS``; a trainer also takes
+any object with the :class:`StepData` methods directly.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from loong_data.step_data.config import DATA_KINDS, PACKING, DataConfig, MultimodalDataConfig, ThdConfig
+from loong_data.step_data.config import DataConfig, DataKind, MultimodalDataConfig, Packing, ThdConfig
 from loong_data.step_data.layout import DataError, StepCounts, StepLayout
 from loong_data.step_data.multimodal import MultimodalStepData, PatchGeometry, load_multimodal_data
 from loong_data.step_data.text import Balancer, PackedDocuments, TextStepData, load_text_data, step_batches
@@ -45,32 +46,28 @@ def _multimodal(cfg: DataConfig, layout: StepLayout, *, is_main: bool, patches: 
     return load_multimodal_data(cfg, layout, patches, is_main=is_main)
 
 
-_LOADERS: dict[str, Callable[..., StepData]] = {"text": _text, "chat": _text, "multimodal": _multimodal}
-
-
-def register_data_kind(kind: str, loader: Callable[..., StepData]) -> None:
-    """``loader(cfg, layout, *, is_main, patches) -> StepData`` for ``data.kind=kind``."""
-    _LOADERS[kind] = loader
+# One loader per data kind: a new kind is a DataKind member and a loader here (or a StepData
+# handed to the trainer directly).
+_LOADERS: dict[DataKind, Callable[..., StepData]] = {DataKind.text: _text, DataKind.chat: _text,
+                                                     DataKind.multimodal: _multimodal}  # fmt: skip
 
 
 def build_step_data(cfg: DataConfig, layout: StepLayout, *, is_main: bool = True,
                     patches: PatchGeometry | None = None) -> StepData:  # fmt: skip
     """The run's step data for ``cfg.kind``. Collective under torch.distributed (the main rank
     prepares caches first). ``patches``: the model's patch geometry (multimodal data)."""
-    if cfg.kind not in _LOADERS:
-        raise DataError(f"data.kind={cfg.kind!r}; allowed: {', '.join(_LOADERS)}")
-    return _LOADERS[cfg.kind](cfg, layout, is_main=is_main, patches=patches)
+    return _LOADERS[DataKind(cfg.kind)](cfg, layout, is_main=is_main, patches=patches)
 
 
 __all__ = [
-    "DATA_KINDS",
-    "PACKING",
     "Balancer",
     "DataConfig",
     "DataError",
+    "DataKind",
     "MultimodalDataConfig",
     "MultimodalStepData",
     "PackedDocuments",
+    "Packing",
     "PatchGeometry",
     "StepCounts",
     "StepData",
@@ -78,6 +75,5 @@ __all__ = [
     "TextStepData",
     "ThdConfig",
     "build_step_data",
-    "register_data_kind",
     "step_batches",
 ]

@@ -5,16 +5,25 @@ own keys live in a nested config; :meth:`DataConfig.validate` checks what needs 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-from loong_data.packing import STRATEGIES
+from loong_data.packing import Strategy
 
-DATA_KINDS = ("text", "chat", "multimodal")
-PACKING = ("fixed", "thd")
+
+class DataKind(StrEnum):
+    text = "text"  # plain text corpora (pre-training)
+    chat = "chat"  # JSONL conversations through a chat template, loss on the assistant's tokens (SFT)
+    multimodal = "multimodal"  # conversations with images / videos (data.multimodal.*)
+
+
+class Packing(StrEnum):
+    fixed = "fixed"  # seq_length windows of the token stream
+    thd = "thd"  # variable-length samples packed into seq_length-token sequences with cu_seqlens
 
 
 @dataclass
 class ThdConfig:
-    strategy: str = "ffd"  # ffd (first-fit decreasing) | sequential
+    strategy: Strategy = Strategy.ffd
     buffer_size: int | None = None  # samples ffd reorders together; None = a rank's whole step
     # Documents are cut into samples of lognormal lengths (median, sigma), at most data.seq_length
     # tokens; long_fraction of the cuts are data.seq_length long (a long tail like mixed data).
@@ -24,8 +33,6 @@ class ThdConfig:
 
     def errors(self) -> list[str]:
         errors = []
-        if self.strategy not in STRATEGIES:
-            errors.append(f"data.thd.strategy={self.strategy!r}; allowed: {', '.join(STRATEGIES)}")
         if self.buffer_size is not None and self.buffer_size < 1:
             errors.append(f"data.thd.buffer_size={self.buffer_size} must be >= 1 or null")
         if self.median_length < 1 or self.sigma < 0 or not 0 <= self.long_fraction <= 1:
@@ -73,29 +80,20 @@ class MultimodalDataConfig:
 
 @dataclass
 class DataConfig:
-    # text: plain text corpora (pre-training); chat: JSONL conversations ({"messages": [...]}) through
-    # a chat template, loss on the assistant's tokens only (SFT); sources [] = the bundled Shakespeare QA;
-    # multimodal: conversations with images / videos (data.multimodal.*)
-    kind: str = "text"
+    kind: DataKind = DataKind.text  # chat with sources [] = the bundled Shakespeare QA
     # .txt files / folders of .txt / .jsonl ({"text": ...}); empty = the bundled Shakespeare corpus
     sources: list[str] = field(default_factory=list)
     tokenizer: str | None = None  # tokenizer.json or an HF folder; None = the bundled BPE
     cache_dir: str = "runs/data-cache"  # tokenised corpora, reused across runs
     seq_length: int = 256
     val_fraction: float = 0.02
-    # fixed: seq_length windows of the token stream; thd: variable-length document samples packed
-    # into seq_length-token sequences with cu_seqlens (no attention across documents)
-    packing: str = "fixed"
+    packing: Packing = Packing.fixed  # thd: no attention across documents
     thd: ThdConfig = field(default_factory=ThdConfig)
     multimodal: MultimodalDataConfig = field(default_factory=MultimodalDataConfig)
 
     def errors(self) -> list[str]:
         """Problems with the data keys, each naming the key (empty when fine)."""
         errors = []
-        if self.kind not in DATA_KINDS:
-            errors.append(f"data.kind={self.kind!r}; allowed: {', '.join(DATA_KINDS)}")
-        if self.packing not in PACKING:
-            errors.append(f"data.packing={self.packing!r}; allowed: {', '.join(PACKING)}")
         if self.kind == "chat" and self.packing != "fixed":
             errors.append("data.kind=chat trains one conversation per data.seq_length row: use data.packing=fixed")
         errors += self.thd.errors()
