@@ -53,7 +53,7 @@ class MultimodalStepData:
     _eval: list[dict] | None = field(default=None, repr=False)
 
     def _dataset(self, shards: list[Path], shuffle_buffer: int) -> PackedMultimodalDataset:
-        return PackedMultimodalDataset(shards, self.tokenizer, seq_len=self.seq_length, processor=self.processor,
+        return PackedMultimodalDataset(shards, self.tokenizer, seq_length=self.seq_length, processor=self.processor,
                                        seed=self.layout.seed, shuffle_buffer=max(1, shuffle_buffer))  # fmt: skip
 
     def _pack(self, ds: PackedMultimodalDataset, samples: list[MultimodalSample]) -> list[dict]:
