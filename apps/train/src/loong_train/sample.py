@@ -75,7 +75,7 @@ def sample(args: argparse.Namespace) -> dict:
         ctx = towers.encode_text([caption])
         noise = torch.randn((1, *shape.get(caption, data.latents[0].shape)), generator=g)
         with torch.no_grad():
-            z = euler_sample(lambda x, t: model(x, t, ctx), noise, steps=args.steps, shift=args.shift)[0]
+            z = euler_sample(lambda x, t, c=ctx: model(x, t, c), noise, steps=args.steps, shift=args.shift)[0]
         if own:
             dist = torch.stack([(z - y).pow(2).sum() if y.shape == z.shape else torch.tensor(float("inf"))
                                 for y in data.latents])  # fmt: skip

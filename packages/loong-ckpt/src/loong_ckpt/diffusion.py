@@ -196,7 +196,13 @@ def diffusers_to_mcore(src: str | Path, out: str | Path, *, dtype: str | None = 
                        progress: bool = True):  # fmt: skip
     """A diffusers ``transformer/`` directory -> a Loong checkpoint directory (global tensors,
     loadable at any TP size) with ``loong.json`` recording the model."""
-    from loong_ckpt.convert import ConvertResult, atomic_output_dir, check_output_dir, parse_dtype, peak_rss_mib
+    from loong_ckpt.convert import (
+        ConvertResult,
+        atomic_output_dir,
+        check_output_dir,
+        parse_dtype,
+        peak_rss_mib,
+    )
     from loong_ckpt.mcore_io import Chunk, write_checkpoint
     from loong_ckpt.training import FORMAT_VERSION, META_FILE, _write_atomic
 

@@ -12,7 +12,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from omegaconf import OmegaConf
 
-from loong_models.diffusion import WanConfig, WanModel, build_wan_transformer_config
+from loong_models.diffusion import FlowMatchingConfig, WanConfig, WanModel, build_wan_transformer_config
 from loong_models.diffusion.towers import TextEncoderConfig, VaeConfig
 from loong_models.foundation import FoundationConfig, build_foundation
 from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
@@ -51,10 +51,16 @@ class ModelConfig:
     diffusion: WanConfig | None = None
     vae: VaeConfig | None = None
     text_encoder: TextEncoderConfig | None = None
+    flow_matching: FlowMatchingConfig | None = None  # the DiT's objective (null: Wan's defaults)
 
     @property
     def is_diffusion(self) -> bool:
         return self.diffusion is not None
+
+    @property
+    def kind_name(self) -> str:
+        """Which kind of model trains: ``language`` (LLMs, VLMs) or ``diffusion`` (a DiT)."""
+        return "diffusion" if self.diffusion is not None else "language"
 
     @property
     def is_multimodal(self) -> bool:
@@ -87,9 +93,22 @@ class ModelConfig:
             raise ValueError(f"{prefix}.image_projector.tensor_model_parallel_size={ptp}: the projector runs on "
                              f"the encoder's group; use null or the encoder's size ({etp})")  # fmt: skip
 
+    def layout_shape(self) -> dict[str, Any]:
+        """What a parallel layout must divide: the trained transformer's layers, heads, KV groups
+        and experts (the foundation's, or a diffusion model's DiT)."""
+        if self.diffusion is not None:
+            d = self.diffusion
+            return dict(num_layers=d.num_layers, num_attention_heads=d.num_attention_heads,
+                        query_groups=d.num_attention_heads, moe=None)  # fmt: skip
+        f = self.foundation
+        return dict(num_layers=f.num_layers, num_attention_heads=f.num_attention_heads, query_groups=f.query_groups,
+                    moe=f.moe)  # fmt: skip
+
     def _validate_diffusion(self, prefix: str) -> None:
         assert self.diffusion is not None
         self.diffusion.validate(f"{prefix}.diffusion")
+        if self.flow_matching is not None:
+            self.flow_matching.validate(f"{prefix}.flow_matching")
         if self.image_encoder is not None or self.lora is not None:
             raise ValueError(f"{prefix}.diffusion: image_encoder / lora are not supported with a diffusion model")
         if self.vae is not None:
@@ -128,7 +147,10 @@ class ModelConfig:
                 if mine is not None and mine != theirs:
                     raise ValueError(f"model.{key}={mine} but the tokenizer ({source}) has id {theirs} for "
                                      f"that token; set model.{key}={theirs}")  # fmt: skip
-        if vocab_size > self.foundation.vocab_size:
+        if self.text_encoder is not None and vocab_size > self.text_encoder.vocab_size:
+            raise ValueError(f"model.text_encoder.vocab_size={self.text_encoder.vocab_size} is smaller than the "
+                             f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
+        if self.diffusion is None and vocab_size > self.foundation.vocab_size:
             raise ValueError(f"model.foundation.vocab_size={self.foundation.vocab_size} is smaller than the "
                              f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
 

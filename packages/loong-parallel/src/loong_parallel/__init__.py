@@ -13,6 +13,7 @@ from loong_parallel.balance import (
     build_balancer,
 )
 from loong_parallel.config import ParallelConfig
+from loong_parallel.diffusion import DiffusionModel
 from loong_parallel.distributed import (
     DataParallel,
     DistEnv,
@@ -22,7 +23,7 @@ from loong_parallel.distributed import (
     shutdown,
 )
 from loong_parallel.forward import lm_forward_step, masked_token_loss
-from loong_parallel.kinds import LanguageModel, ModelKind
+from loong_parallel.kinds import LanguageModel, ModelKind, model_kind
 from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
 from loong_parallel.moe import RouterStats
 from loong_parallel.optimizer import OptimConfig, build_optimizer
@@ -33,11 +34,13 @@ from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
 
 __version__ = "0.1.0"
 __all__ = [
+    "model_kind",
     "LOSS_KEY",
     "BalanceConfig",
     "DPBalancer",
     "DataParallel",
     "DistEnv",
+    "DiffusionModel",
     "LanguageModel",
     "ModelKind",
     "ModelProvider",

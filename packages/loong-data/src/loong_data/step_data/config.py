@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from loong_data.packing import Strategy
+from loong_data.step_data.diffusion import DiffusionDataConfig
 
 
 class DataKind(StrEnum):
     text = "text"  # plain text corpora (pre-training)
     chat = "chat"  # JSONL conversations through a chat template, loss on the assistant's tokens (SFT)
     multimodal = "multimodal"  # conversations with images / videos (data.multimodal.*)
+    diffusion = "diffusion"  # captioned images / clips as VAE latents + text embeddings (data.diffusion.*)
 
 
 class Packing(StrEnum):
@@ -90,6 +92,7 @@ class DataConfig:
     packing: Packing = Packing.fixed  # thd: no attention across documents
     thd: ThdConfig = field(default_factory=ThdConfig)
     multimodal: MultimodalDataConfig = field(default_factory=MultimodalDataConfig)
+    diffusion: DiffusionDataConfig = field(default_factory=DiffusionDataConfig)
 
     def errors(self) -> list[str]:
         """Problems with the data keys, each naming the key (empty when fine)."""
@@ -102,6 +105,8 @@ class DataConfig:
             if self.packing != "thd":
                 errors.append(f"data.packing={self.packing!r}: multimodal data is packed with cu_seqlens; "
                               "set data.packing=thd")  # fmt: skip
+        if self.kind == "diffusion":
+            errors += self.diffusion.errors()
         if not 0.0 < self.val_fraction < 1.0:
             errors.append(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         return errors

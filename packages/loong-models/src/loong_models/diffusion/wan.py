@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -66,6 +67,7 @@ class WanModel(MegatronModule):
         super().__init__(config=config)
         cfg.validate()
         self.cfg = cfg
+        self.model_type = ModelType.encoder_or_decoder  # megatron's schedules ask
         mods = dit_modules(layer_backend)
         d, dt = cfg.dim, config.params_dtype
         self.patch_embedding = torch.nn.Conv3d(cfg.in_channels, d, cfg.patch_size, cfg.patch_size, dtype=dt)
