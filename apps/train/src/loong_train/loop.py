@@ -31,6 +31,7 @@ from loong_parallel import (
     shutdown,
     train_step,
 )
+from loong_train.capabilities import check_features
 from loong_train.data import load_text_data, step_batches
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, progress_bar
@@ -103,6 +104,7 @@ def _resolve_dtype(name: str, accel: Accelerator) -> torch.dtype:
 
 def run(cfg: Config) -> RunSummary:
     accel = get_accelerator(None if cfg.train.device == "auto" else cfg.train.device)
+    check_features(cfg, accel)  # capabilities.py: e.g. layer_backend=te on a backend without TE
     with redirect_cuda(accel):
         env = init_distributed(accel)
         try:
