@@ -42,6 +42,7 @@ from loong_train.multimodal import (
     step_counts,
     vision_flops_per_patch,
 )
+from loong_train.peft_adapters import load_adapters
 from loong_train.schema import Config, ConfigError, validate
 from loong_train.thd import build_balancer, schedule_shape
 from loong_xpu import Accelerator, get_accelerator, redirect_cuda
@@ -173,6 +174,8 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     if t.init_from and (resumed is None or lora is not None):
         # With LoRA the checkpoints hold the adapters only: the frozen base always comes from init_from.
         _load_weights(t.init_from, chunks, cfg.model, part="frozen" if lora is not None else "all", is_main=is_main)
+    if lora is not None and lora.init_from and resumed is None:
+        load_adapters(lora.init_from, chunks, cfg.model)  # peft_adapters.py: continue a PEFT adapter
     if resumed is not None:
         info, rng = load_checkpoint(
             resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel)
