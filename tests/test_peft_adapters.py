@@ -34,10 +34,11 @@ def test_peft_loads_the_exported_adapters_with_the_merged_models_outputs(lora_ru
     import transformers
     from peft import PeftModel
 
-    from loong_ckpt.peft import export_peft
+    from loong_ckpt.cli import main
 
     hf, run = lora_run.hf, lora_run.run
-    out = export_peft(run.out_dir / "checkpoints" / f"step_{STEPS:08d}", tmp_path / "adapter")
+    out = tmp_path / "adapter"
+    assert main(["mcore-to-peft", str(run.out_dir / "checkpoints" / f"step_{STEPS:08d}"), str(out)]) == 0
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, str(hf.absolute()))
     assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
