@@ -7,10 +7,11 @@ import sys
 
 import pytest
 from hydra import compose, initialize_config_module
-from train_helpers import Run, env_for_train, train_command
 
 from loong_train.main import to_config
 from loong_train.megatron_args import ARG_MAP, MegatronArgError, translate
+from loong_train.testing import Run, train_command
+from loong_xpu.testing import launch_env
 
 
 def resolved(overrides: list[str]):
@@ -280,7 +281,7 @@ def test_hydra_overrides_after_the_flags_come_last_and_win():
 
 def test_train_megatron_print_overrides_prints_them_and_a_typo_exits_non_zero(tmp_path):
     cmd = [sys.executable, "-m", "loong_train", "--megatron"]
-    env = env_for_train()
+    env = launch_env()
     ok = subprocess.run([*cmd, "--print-overrides", "--", "--lr", "1e-3", "--bf16"], capture_output=True, text=True, env=env)  # fmt: skip
     assert (ok.returncode, ok.stdout.strip()) == (0, "++optim.lr=0.001 ++train.dtype=bf16")
     bad = subprocess.run([*cmd, "--", "--micro-batch-szie", "2"], capture_output=True, text=True, env=env)
@@ -298,7 +299,7 @@ def test_ten_cpu_steps_through_megatron_flags_give_the_hydra_runs_losses_bit_for
     out = tmp_path / "megatron"
     argv = ["--megatron", "--", *TINY_MEGATRON, "--save", str(out), f"data.cache_dir={data_cache}",
             "train.tensorboard=false", "train.progress=false"]  # fmt: skip
-    proc = subprocess.run(train_command(argv), cwd=tmp_path, env=env_for_train(), capture_output=True, text=True)
+    proc = subprocess.run(train_command(argv), cwd=tmp_path, env=launch_env(), capture_output=True, text=True)
     megatron = Run(proc.returncode, proc.stdout, proc.stderr, out).check()
     assert len(hydra.losses()) == 10
     assert megatron.losses() == hydra.losses()

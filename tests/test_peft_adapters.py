@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hf_models import make_hf_model  # packages/loong-ckpt/tests (root pytest pythonpath)
+
+from loong_ckpt.testing.hf_models import make_hf_model
 
 STEPS = 3
 

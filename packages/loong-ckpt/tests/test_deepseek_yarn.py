@@ -7,8 +7,9 @@ import json
 
 import pytest
 import torch
-from ckpt_testlib import logits_in_process
-from hf_models import hf_logits, make_hf_model
+
+from loong_ckpt.testing import logits_in_process
+from loong_ckpt.testing.hf_models import hf_logits, make_hf_model
 
 # DeepSeek-V3's own values (factor 40 over 4096 positions), scaled to the tiny model's 256 positions.
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,

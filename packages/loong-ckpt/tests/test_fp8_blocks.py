@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from hf_models import make_hf_model
 
 from loong_ckpt.fp8_blocks import dequantize, quantize
 from loong_ckpt.hf_config import ConversionError
+from loong_ckpt.testing.hf_models import make_hf_model
 
 BLOCK = (16, 16)
 

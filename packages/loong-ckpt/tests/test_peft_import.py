@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import make_hf_model
+
+from loong_ckpt.testing.hf_models import make_hf_model
 
 TOKENS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 
