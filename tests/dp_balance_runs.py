@@ -2,7 +2,7 @@
 balancing off then on, from the same seed; rank 0 writes both runs' metrics paths to argv[1] as
 JSON. One launch instead of two halves the process start-up (megatron import) cost of the test.
 
-    torchrun --standalone --nproc-per-node 4 tests/dp_balance_runs.py OUT.json OVERRIDES...
+    torchrun --standalone --nproc-per-node 4 tests/dp_balance_runs.py OUT.json [--config-name=vlm] OVERRIDES...
 """
 
 import json
@@ -28,6 +28,9 @@ def keep_process_group() -> None:
 
 def main() -> None:
     out_json, overrides = Path(sys.argv[1]), sys.argv[2:]
+    config_name = "config"
+    if overrides and overrides[0].startswith("--config-name="):
+        config_name, overrides = overrides[0].split("=", 1)[1], overrides[1:]
     loop.shutdown = keep_process_group
     config_dir = str(Path(loong_train.__file__).parent / "configs")
     metrics = {}
@@ -35,7 +38,7 @@ def main() -> None:
         run_overrides = [*overrides, f"data.balance.enabled={'true' if name == 'on' else 'false'}",
                          f"train.output_dir={out_json.parent / name}"]
         with initialize_config_dir(config_dir=config_dir, version_base=None):
-            cfg = to_config(compose(config_name="config", overrides=run_overrides))
+            cfg = to_config(compose(config_name=config_name, overrides=run_overrides))
         metrics[name] = str(loop.run(cfg).metrics_file)
     shutdown()
     if int(os.environ["RANK"]) == 0:

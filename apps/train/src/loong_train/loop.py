@@ -41,6 +41,7 @@ from loong_train.multimodal import (
     step_counts,
     vision_flops_per_patch,
 )
+from loong_train.multimodal_balance import build_multimodal_balancer
 from loong_train.schema import Config, ConfigError, validate
 from loong_train.thd import build_balancer, schedule_shape
 from loong_xpu import Accelerator, get_accelerator, redirect_cuda
@@ -213,15 +214,19 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         num_microbatches=num_microbatches, seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size
     )
     b = cfg.data.balance
-    balancer = build_balancer(
-        num_parameters=n_active, num_layers=f.num_layers, attention_width=f.num_attention_heads * f.head_dim,
-        group=mpu.get_data_parallel_group(), device=device, min_imbalance=b.min_imbalance,
-        max_tokens=b.max_tokens_per_rank, refit=b.refit, warmup_steps=b.refit_warmup_steps,
-        interval=b.refit_interval, window=b.refit_window,
-    ) if b.enabled else None  # fmt: skip
+    balance_args = dict(group=mpu.get_data_parallel_group(), device=device, min_imbalance=b.min_imbalance,
+                 max_tokens=b.max_tokens_per_rank, refit=b.refit, warmup_steps=b.refit_warmup_steps,
+                 interval=b.refit_interval, window=b.refit_window)  # fmt: skip
+    if not b.enabled:
+        balancer = None
+    elif multimodal:  # LLM tokens + ViT patches; no exchange: every rank holds the whole step
+        balancer = build_multimodal_balancer(cfg.model, dp_rank=dp_rank, dp_size=dp_size, **balance_args)
+    else:
+        balancer = build_balancer(num_parameters=n_active, num_layers=f.num_layers,
+                                  attention_width=f.num_attention_heads * f.head_dim, **balance_args)  # fmt: skip
     if multimodal:
         batches = data.train_steps(global_batch_size=t.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                   start_step=start_step)  # fmt: skip
+                                   start_step=start_step, balancer=balancer)  # fmt: skip
         patch_flops = vision_flops_per_patch(cfg.model)
     else:
         batches = step_batches(

@@ -12,7 +12,8 @@ single-process run, and resuming at step ``s`` skips exactly ``s * global_batch_
 (tokenised and their images decoded, not resized/patchified): the streaming position resumes
 exactly. The price: every rank reads (and decodes) every sample; shard-level DP splitting
 (``loong_data.multimodal.PackedMultimodalDataset(dp_rank=...)``) would avoid it but does not keep
-the global batches of a different DP size.
+the global batches of a different DP size. With ``data.balance.enabled`` every rank plans the same
+cost-balanced assignment of the step's samples instead of slicing (multimodal_balance.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from loong_data.multimodal import (
 )
 from loong_models import ModelConfig
 from loong_train.log import logger
+from loong_train.multimodal_balance import MultimodalBalancer
 from loong_train.schema import ConfigError, DataConfig
 
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -69,9 +71,10 @@ class MultimodalData:
         packs = packing_strategy(self.strategy).pack([len(s) for s in samples], self.seq_length)
         return [ds.collate([samples[i] for i in pack]) for pack in packs]
 
-    def train_steps(self, *, global_batch_size: int, dp_rank: int, dp_size: int, start_step: int = 0
-                    ) -> Iterator[list[dict]]:  # fmt: skip
-        """For each step from ``start_step``: this DP rank's packed micro-batches."""
+    def train_steps(self, *, global_batch_size: int, dp_rank: int, dp_size: int, start_step: int = 0,
+                    balancer: MultimodalBalancer | None = None) -> Iterator[list[dict]]:  # fmt: skip
+        """For each step from ``start_step``: this DP rank's packed micro-batches (its slice of the
+        global batch, or the balancer's choice)."""
         ds = self._dataset(self.train_shards, self.shuffle_buffer)
         stream = _forever(ds)
         skip = start_step * global_batch_size
@@ -82,7 +85,8 @@ class MultimodalData:
         per_rank = global_batch_size // dp_size
         while True:
             step = list(islice(stream, global_batch_size))
-            yield self._pack(ds, step[dp_rank * per_rank : (dp_rank + 1) * per_rank])
+            mine = balancer.select(step) if balancer else step[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+            yield self._pack(ds, mine)
 
     def eval_microbatches(self, *, num_samples: int, dp_rank: int, dp_size: int) -> list[dict]:
         """This rank's share of the first ``num_samples`` held-out samples (the same every time)."""

@@ -26,7 +26,7 @@ class MultimodalDataConfig:
     shuffle_buffer: int = 64  # samples shuffled together while streaming (0: stream order)
 
 
-def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str, balance: bool) -> list[str]:
+def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str) -> list[str]:
     """Problems with the multimodal data keys, each naming the key (empty when fine)."""
     errors = []
     if kind != "multimodal":
@@ -39,8 +39,6 @@ def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str, ba
         errors.append(
             f"data.packing={packing!r}: multimodal data is packed with cu_seqlens; set data.packing=thd"
         )
-    if balance:
-        errors.append("data.balance.enabled=true is not supported with data.kind=multimodal yet")
     if mm.samples_per_shard < 1:
         errors.append(f"data.multimodal.samples_per_shard={mm.samples_per_shard} must be >= 1")
     if mm.val_shards < 1:

@@ -134,7 +134,7 @@ def validate(cfg: Config, world_size: int) -> int:
         sequence_parallel=cfg.parallel.sequence_parallel,
     ):
         raise ConfigError(error)
-    for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing, balance=d.balance.enabled):
+    for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing):
         raise ConfigError(error)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")

@@ -19,6 +19,29 @@ from loong_models.image_projector import ImageProjector
 from loong_models.omni.mrope import VisionTokenIds, mrope_positions
 
 
+def mark_tp_replicas(sharded: dict, component_tp: int, foundation_tp: int) -> dict:
+    """A component whose TP size is smaller than the foundation's (an encoder at TP=1 inside
+    TP=2) is replicated over the foundation's TP group, but its own (smaller) TP group numbers
+    each copy as TP rank 0: every copy would claim to be the main replica and megatron's
+    distributed checkpointing refuses the duplicates. Appending the replica's index in the
+    foundation's TP group makes exactly one copy the main replica (all-zero id)."""
+    if component_tp >= foundation_tp:
+        return sharded
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+    replica = mpu.get_tensor_model_parallel_rank() // component_tp
+
+    def mark(item):
+        if hasattr(item, "replica_id"):
+            rid = item.replica_id
+            item.replica_id = (*rid, replica) if isinstance(rid, tuple) else (rid, replica)
+        return item
+
+    dict_list_map_inplace(mark, sharded)
+    return sharded
+
+
 class OmniCombinationModel(MegatronModule):
     """Modules: ``foundation`` (megatron GPTModel), ``image_encoder`` and ``image_projector``
     (first pipeline stage only, else None).
@@ -69,7 +92,9 @@ class OmniCombinationModel(MegatronModule):
         for name in ("image_encoder", "image_projector"):
             module = getattr(self, name)
             if module is not None:
-                out.update(module.sharded_state_dict(f"{prefix}{name}.", (), metadata))
+                part = module.sharded_state_dict(f"{prefix}{name}.", (), metadata)
+                out.update(mark_tp_replicas(part, module.config.tensor_model_parallel_size,
+                                            self.config.tensor_model_parallel_size))  # fmt: skip
         return out
 
     # --- forward ---

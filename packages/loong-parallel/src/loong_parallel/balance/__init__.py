@@ -2,8 +2,15 @@
 
 from loong_parallel.balance.assign import CapInfeasible, balance_assignment, imbalance, keep_local, rank_loads
 from loong_parallel.balance.balancer import BalancePlan, DPBalancer, plan_balance
-from loong_parallel.balance.cost import QuadraticCost, SampleCost, fit_quadratic_cost, segment_features
+from loong_parallel.balance.cost import (
+    QuadraticCost,
+    SampleCost,
+    fit_quadratic_cost,
+    nonnegative_fit,
+    segment_features,
+)
 from loong_parallel.balance.exchange import FieldSpec, exchange_samples, field_specs
+from loong_parallel.balance.multimodal import MultimodalCost, vision_sizes
 from loong_parallel.balance.refit import OnlineCostFit
 
 __all__ = [
@@ -11,6 +18,7 @@ __all__ = [
     "CapInfeasible",
     "DPBalancer",
     "FieldSpec",
+    "MultimodalCost",
     "OnlineCostFit",
     "QuadraticCost",
     "SampleCost",
@@ -20,7 +28,9 @@ __all__ = [
     "fit_quadratic_cost",
     "imbalance",
     "keep_local",
+    "nonnegative_fit",
     "plan_balance",
     "rank_loads",
     "segment_features",
+    "vision_sizes",
 ]
