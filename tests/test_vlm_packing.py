@@ -12,6 +12,7 @@ from loong_data.multimodal import PackedMultimodalDataset, VisionProcessorConfig
 from loong_models import build_model, build_transformer_config, load_model_config, packed_seq_params
 from loong_xpu.testing import megatron_cpu  # noqa: F401  (a one-process megatron world on the CPU)
 
+pytestmark = pytest.mark.usefixtures("megatron_cpu")
 SEQ = 512
 MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
@@ -32,7 +33,7 @@ def _loss_and_grads(model, microbatches: list[dict]) -> tuple[torch.Tensor, dict
     return total / count, {n: p.grad.clone() / count for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_packed_microbatches_give_the_unpacked_loss_and_gradients(megatron_cpu, tmp_path):
+def test_packed_microbatches_give_the_unpacked_loss_and_gradients(tmp_path):
     cfg = load_model_config("tiny-vlm", ["layer_backend=local"])
     config = build_transformer_config(cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True,
                                       calculate_per_token_loss=True)  # fmt: skip

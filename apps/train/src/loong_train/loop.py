@@ -31,6 +31,7 @@ from loong_parallel import (
     shutdown,
     train_step,
 )
+from loong_parallel.encoder_layout import apply_encoder_layout
 from loong_train.data import load_text_data, step_batches
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, progress_bar
@@ -148,9 +149,11 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     encoder_groups = encoder_process_groups(cfg.model, cfg.parallel.tp)
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
-        return build_model(cfg.model, tconfig, device_type=accel.device_type, pre_process=pre_process,
-                           post_process=post_process, vp_stage=vp_stage,
-                           encoder_pg_collection=encoder_groups)  # fmt: skip
+        model = build_model(cfg.model, tconfig, device_type=accel.device_type, pre_process=pre_process,
+                            post_process=post_process, vp_stage=vp_stage,
+                            encoder_pg_collection=encoder_groups)  # fmt: skip
+        return apply_encoder_layout(model, cfg.parallel.encoder_layout, cfg.model,
+                                    mpu.get_tensor_model_parallel_group())  # fmt: skip
 
     try:
         chunks = build_model_chunks(provider, cfg.parallel, tconfig, accel)
@@ -307,6 +310,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
                 record.update(balancer.metrics())
             if multimodal:
                 record["images_per_s"] = window_images / elapsed
+                record.update({f"step_{k}": v for k, v in counts.items()})  # this step's, for benches
             postfix = {}
             if router_stats:
                 moe_stats = router_stats.report(num_microbatches * window_steps, step)

@@ -111,9 +111,9 @@ def _forever(ds: PackedMultimodalDataset) -> Iterator[MultimodalSample]:
 
 
 def step_counts(microbatches: list[dict], pad_id: int, group, device: torch.device) -> dict[str, int]:
-    """Real tokens (padding excluded, image tokens included), images + videos and ViT patches of
-    the step, summed over the data-parallel group (a collective)."""
-    tokens = images = patches = 0
+    """Real tokens (padding excluded, image tokens included), images + videos, ViT patches and
+    samples of the step, summed over the data-parallel group (a collective)."""
+    tokens = images = patches = samples = 0
     for mb in microbatches:
         cu, ids = mb["cu_seqlens"], mb["tokens"][0]
         tail = slice(int(cu[-2]), int(cu[-1]))
@@ -121,13 +121,14 @@ def step_counts(microbatches: list[dict], pad_id: int, group, device: torch.devi
             len(cu) > 2 and bool((ids[tail] == pad_id).all()) and not bool(mb["loss_mask"][0, tail].any())
         )
         tokens += int(cu[-2]) if padded else int(ids.shape[0])
+        samples += len(cu) - 1 - int(padded)
         for key in ("image_grid_thw", "video_grid_thw"):
             if key in mb and len(mb[key]):
                 images += int(mb[key].shape[0])
                 patches += int(mb[key].prod(dim=1).sum())
-    t = torch.tensor([tokens, images, patches], dtype=torch.float64, device=device)
+    t = torch.tensor([tokens, images, patches, samples], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
-    return dict(zip(("tokens", "images", "patches"), (int(x) for x in t.tolist())))
+    return dict(zip(("tokens", "images", "patches", "samples"), (int(x) for x in t.tolist())))
 
 
 # --- set-up: tokenizer and model agree, sources become shards ------------------------------------

@@ -58,3 +58,17 @@ def validate_multimodal(kind: str, mm: MultimodalDataConfig, *, packing: str) ->
     if mm.shuffle_buffer < 0:
         errors.append(f"data.multimodal.shuffle_buffer={mm.shuffle_buffer} must be >= 0")
     return errors
+
+
+def validate_encoder_layout(layout: str, model, tp: int) -> list[str]:
+    """``parallel.encoder_layout=hetero_dp`` needs a VLM whose encoder is replicated (TP=1)
+    inside a foundation TP group of more than one rank."""
+    if layout != "hetero_dp":
+        return []
+    if model.image_encoder is None:
+        return ["parallel.encoder_layout=hetero_dp needs a VLM (model.image_encoder is null)"]
+    etp = model.image_encoder.tensor_model_parallel_size
+    if etp != 1:
+        return [f"parallel.encoder_layout=hetero_dp needs model.image_encoder.tensor_model_parallel_size=1 "
+                f"(each TP rank holds a whole encoder), got {etp} (null = the foundation's parallel.tp={tp})"]  # fmt: skip
+    return []

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
-from loong_train.multimodal_config import MultimodalDataConfig, validate_multimodal
+from loong_train.multimodal_config import MultimodalDataConfig, validate_encoder_layout, validate_multimodal
 from loong_train.packing_config import BalanceConfig, ThdConfig, validate_packing
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -135,6 +135,8 @@ def validate(cfg: Config, world_size: int) -> int:
     ):
         raise ConfigError(error)
     for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing):
+        raise ConfigError(error)
+    for error in validate_encoder_layout(cfg.parallel.encoder_layout, cfg.model, cfg.parallel.tp):
         raise ConfigError(error)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")

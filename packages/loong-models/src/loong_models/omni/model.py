@@ -75,6 +75,8 @@ class OmniCombinationModel(MegatronModule):
         self.pre_process = foundation.pre_process
         self.post_process = foundation.post_process
         self.model_type = foundation.model_type  # megatron's schedules read it from the chunk
+        # (model, pixel_values, grid_thw) -> tokens: set by a parallel encoder layout; None = encode here
+        self.vision_encode = None
 
     # --- what megatron's schedules and finalize_model_grads call on a model chunk ---
     def set_input_tensor(self, input_tensor) -> None:
@@ -117,6 +119,8 @@ class OmniCombinationModel(MegatronModule):
     def vision_embeddings(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Encode and project: ``[N_patches, C*T*P*P]`` -> ``[N_patches / merge**2, hidden]``."""
         assert self.image_encoder is not None and self.image_projector is not None
+        if self.vision_encode is not None:  # a parallel layout (loong_parallel.encoder_layout)
+            return self.vision_encode(self, pixel_values, grid_thw)
         return self.image_projector(self.image_encoder(pixel_values, grid_thw))
 
     def _merge(self, input_ids, embeddings, media) -> torch.Tensor:
