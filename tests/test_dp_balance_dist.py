@@ -55,7 +55,8 @@ def test_balanced_loss_equals_unbalanced_loss(tmp_path, data_cache) -> None:
 @pytest.mark.dist
 def test_balanced_multimodal_loss_equals_unbalanced_loss(tmp_path, data_cache) -> None:
     """The tiny VLM on the bundled images and captions at DP=4: the balancer plans each step from
-    the samples' LLM tokens and ViT patches (the cost refitted every step) and the losses match."""
+    the samples' LLM tokens and ViT patches (refitted from the measured times as they come) and the
+    losses match. That a refit changes the plan is packages/loong-parallel/tests/test_balance_multimodal.py."""
     overrides = [
         "--config-name=vlm", f"data.cache_dir={data_cache}", "train.global_batch_size=16",
         "train.micro_batch_size=1", f"train.steps={STEPS}", "train.eval_iters=0", "train.save_final=false",
@@ -74,4 +75,3 @@ def test_balanced_multimodal_loss_equals_unbalanced_loss(tmp_path, data_cache) -
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert all(r["dp_imbalance"] <= r["dp_imbalance_naive"] for r in on)
     assert any(r["dp_imbalance"] < r["dp_imbalance_naive"] for r in on), "no step was rebalanced"
-    assert on[-1]["dp_cost_refits"] >= 1, "the cost was never refitted from the measured times"
