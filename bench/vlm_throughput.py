@@ -329,15 +329,22 @@ def hf_worker(args) -> None:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times, counts = [], []
     merge = cfg.model.image_encoder.spatial_merge_size
+
+    def hf_steps():  # an HF user's loader: the step's samples, batched and padded, prepared ahead
+        for mbs in batches:
+            samples = [s for mb in mbs for s in unpack(mb, data.tokenizer.pad_id, m.image_token_id,
+                                                         m.video_token_id, merge)]  # fmt: skip
+            hf = [hf_batch(samples[i : i + args.hf_batch_size], data.tokenizer.pad_id, m.image_token_id,
+                           m.video_token_id) for i in range(0, len(samples), args.hf_batch_size)]  # fmt: skip
+            yield mbs, samples, hf
+
+    steps = hf_steps()  # already prefetched by the train app's data path, like Loong's
     for _ in range(args.steps):
         sync()
         t0 = time.perf_counter()  # like the train app's step time: building the step's batches included
-        mbs = next(batches)
-        samples = [s for mb in mbs for s in unpack(mb, data.tokenizer.pad_id, m.image_token_id, m.video_token_id, merge)]
+        mbs, samples, hf = next(steps)
         loss_tokens = sum(float(s["loss_mask"].sum()) for s in samples)
-        for i in range(0, len(samples), args.hf_batch_size):
-            batch = hf_batch(samples[i : i + args.hf_batch_size], data.tokenizer.pad_id, m.image_token_id,
-                             m.video_token_id)  # fmt: skip
+        for batch in hf:
             inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             weight = float((batch["labels"] != -100).sum()) / loss_tokens  # the step's per-token mean
             with torch.autocast(device, dtype=torch.bfloat16, enabled=args.hf_mode == "amp"):

@@ -42,6 +42,7 @@ from loong_data.multimodal import (
     list_shards,
     load_chat_tokenizer,
 )
+from loong_data.prefetch import prefetch
 from loong_models import ModelConfig
 from loong_train.log import logger
 from loong_train.multimodal_balance import MultimodalBalancer
@@ -74,7 +75,13 @@ class MultimodalData:
     def train_steps(self, *, global_batch_size: int, dp_rank: int, dp_size: int, start_step: int = 0,
                     balancer: MultimodalBalancer | None = None) -> Iterator[list[dict]]:  # fmt: skip
         """For each step from ``start_step``: this DP rank's packed micro-batches (its slice of the
-        global batch, or the balancer's choice)."""
+        global batch, or the balancer's choice), prepared one step ahead in a background thread
+        unless a refitting balancer plans the steps (its cost changes between steps)."""
+        steps = self._steps(global_batch_size, dp_rank, dp_size, start_step, balancer)
+        return steps if balancer is not None and balancer.refit is not None else prefetch(steps)
+
+    def _steps(self, global_batch_size: int, dp_rank: int, dp_size: int, start_step: int,
+               balancer: MultimodalBalancer | None) -> Iterator[list[dict]]:  # fmt: skip
         ds = self._dataset(self.train_shards, self.shuffle_buffer)
         stream = _forever(ds)
         skip = start_step * global_batch_size
