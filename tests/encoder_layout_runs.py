@@ -33,7 +33,7 @@ from loong_parallel import (
 )
 from loong_parallel.component_groups import component_process_groups
 from loong_parallel.encoder_layout import apply_encoder_layout
-from loong_train.loop import lm_forward_step
+from loong_parallel.forward import lm_forward_step
 from loong_xpu import get_accelerator, redirect_cuda
 
 STEPS, SEQ = 10, 512
@@ -54,7 +54,7 @@ def microbatches(out_dir: Path, dp_rank: int) -> list[dict]:
     if dist.get_rank() == 0:
         bundled_multimodal_shards(out_dir / "shards")
     dist.barrier()
-    ds = PackedMultimodalDataset(bundled_multimodal_shards(out_dir / "shards"), seq_len=SEQ, processor=processor,
+    ds = PackedMultimodalDataset(bundled_multimodal_shards(out_dir / "shards"), seq_length=SEQ, processor=processor,
                                  seed=0, shuffle_buffer=1)  # fmt: skip
     by_media: dict[tuple[int, int], list] = {}
     for s in ds.samples(0):

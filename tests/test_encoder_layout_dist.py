@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_helpers import env_for_train
+
+from loong_xpu.testing import launch_env
 
 TESTS = Path(__file__).parent
 
@@ -19,7 +20,7 @@ def test_hetero_dp_matches_shared_and_encodes_each_image_once(tmp_path) -> None:
     out = tmp_path / "layouts.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
            str(TESTS / "encoder_layout_runs.py"), str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env_for_train(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = json.loads(out.read_text())
     media = sum(r["media"] for r in ranks[::2])  # one rank per TP group: the DP replicas' micro-batches

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from train_helpers import env_for_train
+
+from loong_xpu.testing import launch_env
 
 TESTS = Path(__file__).parent
 LAYOUTS = {
@@ -28,7 +29,7 @@ def test_vlm_layout_saves_resumes_and_exports_hf(layout, tmp_path, data_cache) -
                  "train.global_batch_size=4", *LAYOUTS[layout]]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
            str(TESTS / "vlm_resume_runs.py"), str(out), *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env_for_train(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     paths = json.loads(out.read_text())
     rows = {k: [json.loads(x) for x in Path(paths[k]).read_text().splitlines()] for k in ("full", "resumed")}

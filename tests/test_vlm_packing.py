@@ -1,5 +1,5 @@
 """Packed multimodal micro-batches: several conversations (with their images and videos) share one
-THD micro-batch of ``seq_len`` tokens, attention stays inside each sample in the LLM and inside
+THD micro-batch of ``seq_length`` tokens, attention stays inside each sample in the LLM and inside
 each image / video frame in the ViT, so the per-token loss and every gradient equal those of the
 same samples trained one per micro-batch (fp32, CPU, the real bundled data and the tiny VLM)."""
 
@@ -43,7 +43,7 @@ def test_packed_microbatches_give_the_unpacked_loss_and_gradients(tmp_path):
     processor = VisionProcessorConfig(patch_size=e.patch_size, temporal_patch_size=e.temporal_patch_size,
                                       merge_size=e.spatial_merge_size, max_pixels=112 * 112,
                                       video_min_pixels=56 * 56, video_max_pixels=56 * 56)  # fmt: skip
-    ds = PackedMultimodalDataset(bundled_multimodal_shards(tmp_path / "shards"), seq_len=SEQ, processor=processor,
+    ds = PackedMultimodalDataset(bundled_multimodal_shards(tmp_path / "shards"), seq_length=SEQ, processor=processor,
                                  seed=0, shuffle_buffer=1)  # fmt: skip
     stream = ds.samples(0)
     samples = [next(stream) for _ in range(12)]

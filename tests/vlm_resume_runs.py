@@ -16,25 +16,20 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 import loong_train
-import loong_train.loop as loop
-from loong_parallel import shutdown
+from loong_parallel import init_distributed, shutdown
 from loong_train.main import to_config
-
-
-def keep_process_group() -> None:
-    from megatron.core import parallel_state as mpu
-
-    mpu.destroy_model_parallel()
+from loong_train.trainer import Trainer
+from loong_xpu import get_accelerator
 
 
 def run(overrides: list[str]):
     with initialize_config_dir(config_dir=str(Path(loong_train.__file__).parent / "configs"), version_base=None):
-        return loop.run(to_config(compose(config_name="vlm", overrides=overrides)))
+        return Trainer(to_config(compose(config_name="vlm", overrides=overrides))).fit()
 
 
 def main() -> None:
     out_json, overrides = Path(sys.argv[1]), sys.argv[2:]
-    loop.shutdown = keep_process_group
+    init_distributed(get_accelerator())  # outlives both runs (a trainer closes only the groups it created)
     full_dir, resumed_dir = out_json.parent / "full", out_json.parent / "resumed"
     common = [*overrides, "train.steps=4", "train.save_interval=2", "train.keep_last=5", "train.eval_iters=0",
               "optim.schedule=constant", "optim.warmup_steps=0"]  # fmt: skip

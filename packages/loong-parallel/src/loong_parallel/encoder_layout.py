@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from loong_parallel.balance import MultimodalCost, QuadraticCost, balance_assignment, vision_sizes
-
-ENCODER_LAYOUTS = ("shared", "hetero_dp")
+from loong_parallel.config import EncoderLayout
 
 
 def split_media(grids: list[tuple[int, int, int]], num_ranks: int, cost: Callable) -> np.ndarray:
@@ -92,26 +91,44 @@ class HeteroDPEncode:
         return gathered[torch.cat(order).to(gathered.device)]
 
 
-def vision_cost(model_cfg) -> MultimodalCost:
-    """FLOP cost of the ViT alone (no LLM term) for splitting images."""
+def vision_shape(model_cfg) -> dict[str, int]:
+    """A VLM's vision tower as :meth:`MultimodalCost.from_flops` takes it (``model_cfg``: a
+    ``loong_models.ModelConfig``): ViT + projector parameters, layers, full-attention layers,
+    attention width, patches per attention window."""
     from loong_models.image_encoder.config import get_encoder_type
 
-    e = model_cfg.image_encoder
+    e, f = model_cfg.image_encoder, model_cfg.foundation
     windows = get_encoder_type(e.type).windows
-    return MultimodalCost.from_flops(
-        QuadraticCost(1.0, 0.0), vision_parameters=e.num_parameters(), vision_layers=e.num_layers,
-        full_attention_layers=len(e.fullatt_block_indexes) if windows else e.num_layers,
-        vision_width=e.num_attention_heads * e.head_dim,
-        window_patches=(e.window_size // e.patch_size) ** 2 if windows else 0,
-    )  # fmt: skip
+    proj = model_cfg.image_projector.num_parameters(e.hidden_size, e.spatial_merge_size, f.hidden_size)
+    return dict(vision_parameters=e.num_parameters() + proj, vision_layers=e.num_layers,
+                full_attention_layers=len(e.fullatt_block_indexes) if windows else e.num_layers,
+                vision_width=e.num_attention_heads * e.head_dim,
+                window_patches=(e.window_size // e.patch_size) ** 2 if windows else 0)  # fmt: skip
+
+
+def vision_cost(model_cfg) -> MultimodalCost:
+    """FLOP cost of the vision tower alone (no LLM term): what splitting images balances."""
+    return MultimodalCost.from_flops(QuadraticCost(1.0, 0.0), **vision_shape(model_cfg))
+
+
+def encoder_layout_errors(layout: str, model_cfg, tp: int) -> list[str]:
+    """``hetero_dp`` needs a VLM whose encoder is replicated (TP=1) inside a foundation TP group
+    of more than one rank (the group size is ParallelConfig.validate's)."""
+    if layout != EncoderLayout.hetero_dp:
+        return []
+    if model_cfg.image_encoder is None:
+        return ["parallel.encoder_layout=hetero_dp needs a VLM (model.image_encoder is null)"]
+    etp = model_cfg.image_encoder.tensor_model_parallel_size
+    if etp != 1:
+        return [f"parallel.encoder_layout=hetero_dp needs model.image_encoder.tensor_model_parallel_size=1 "
+                f"(each TP rank holds a whole encoder), got {etp} (null = the foundation's parallel.tp={tp})"]  # fmt: skip
+    return []
 
 
 def apply_encoder_layout(model: torch.nn.Module, layout: str, model_cfg, tp_group) -> torch.nn.Module:
     """Set the layout on a built VLM stage (before DDP wrapping); text models and stages without
     the encoder are returned as they are."""
-    if layout not in ENCODER_LAYOUTS:
-        raise ValueError(f"parallel.encoder_layout={layout!r}; allowed: {', '.join(ENCODER_LAYOUTS)}")
-    if layout == "shared" or getattr(model, "image_encoder", None) is None:
+    if layout == EncoderLayout.shared or getattr(model, "image_encoder", None) is None:
         return model
     model.vision_encode = HeteroDPEncode(tp_group, vision_cost(model_cfg))
     return model

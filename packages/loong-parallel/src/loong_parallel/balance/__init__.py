@@ -1,7 +1,9 @@
-"""Data-parallel load balancing: cost model, assignment, all-to-all exchange, online refit."""
+"""Data-parallel load balancing: cost model, assignment, all-to-all exchange, online refit, and the
+training run's balancer (``parallel.balance``, :func:`build_balancer`)."""
 
 from loong_parallel.balance.assign import CapInfeasible, balance_assignment, imbalance, keep_local, rank_loads
 from loong_parallel.balance.balancer import BalancePlan, DPBalancer, plan_balance
+from loong_parallel.balance.config import BalanceConfig
 from loong_parallel.balance.cost import (
     QuadraticCost,
     SampleCost,
@@ -12,8 +14,10 @@ from loong_parallel.balance.cost import (
 from loong_parallel.balance.exchange import FieldSpec, exchange_samples, field_specs
 from loong_parallel.balance.multimodal import MultimodalCost, vision_sizes
 from loong_parallel.balance.refit import OnlineCostFit
+from loong_parallel.balance.train import TrainBalancer, build_balancer, segment_lengths
 
 __all__ = [
+    "BalanceConfig",
     "BalancePlan",
     "CapInfeasible",
     "DPBalancer",
@@ -22,7 +26,9 @@ __all__ = [
     "OnlineCostFit",
     "QuadraticCost",
     "SampleCost",
+    "TrainBalancer",
     "balance_assignment",
+    "build_balancer",
     "exchange_samples",
     "field_specs",
     "fit_quadratic_cost",
@@ -32,5 +38,6 @@ __all__ = [
     "plan_balance",
     "rank_loads",
     "segment_features",
+    "segment_lengths",
     "vision_sizes",
 ]
