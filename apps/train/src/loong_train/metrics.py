@@ -90,8 +90,7 @@ class StepWindow:
             "skipped": result.skipped,
         }  # fmt: skip
         if self.has_media:
-            record["images_per_s"] = self.images / elapsed
-            # the last step's data (benches check that two stacks trained the same samples)
+            record["images_per_s"] = self.images / elapsed  # + the last step's data (benches compare stacks):
             record.update(step_tokens=self.last.tokens, step_images=self.last.images, step_samples=self.last.samples)
         if peak_flops:
             record["mfu"] = self.flops / elapsed / world_size / peak_flops
