@@ -24,13 +24,14 @@ def run_wan(tmp_path, data_cache):
 
 
 def test_wan_job_learns_resumes_and_samples(run_wan, data_cache, tmp_path):
-    full = run_wan(["train.steps=40", "train.eval_interval=20", "train.save_interval=20", "train.keep_last=5"],
-                   name="full", timeout=900).check()  # fmt: skip
+    full = run_wan(["train.steps=40", "train.eval_interval=10", "train.save_interval=20", "train.keep_last=5"],
+                   name="full", timeout=1200).check()  # fmt: skip
     losses = full.losses()
     assert sorted(losses) == list(range(1, 41))
-    first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(36, 41)) / 5
-    assert last < 0.8 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
-    assert [r["step"] for r in full.records("val")] == [20, 40]
+    first, last = sum(losses[s] for s in range(1, 11)) / 10, sum(losses[s] for s in range(31, 41)) / 10
+    assert last < 0.9 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
+    val = {r["step"]: r["loss"] for r in full.records("val")}  # a fixed batch with fixed noise
+    assert sorted(val) == [10, 20, 30, 40] and val[40] < val[10], val
     assert all(r["tokens_per_s"] > 0 for r in full.records("train"))
     ckpt = full.out_dir / "checkpoints" / "step_00000040"
     assert json.loads((ckpt / "loong.json").read_text())["model"]["diffusion"]["num_layers"] == 2
