@@ -29,9 +29,9 @@ def test_wan_job_learns_resumes_and_samples(run_wan, data_cache, tmp_path):
     losses = full.losses()
     assert sorted(losses) == list(range(1, 41))
     first, last = sum(losses[s] for s in range(1, 11)) / 10, sum(losses[s] for s in range(31, 41)) / 10
-    assert last < 0.9 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
-    val = {r["step"]: r["loss"] for r in full.records("val")}  # a fixed batch with fixed noise
-    assert sorted(val) == [10, 20, 30, 40] and val[40] < val[10], val
+    assert last < first, f"loss did not fall: {first:.3f} -> {last:.3f}"  # noisy: each step draws its noise levels
+    val = {r["step"]: r["loss"] for r in full.records("val")}  # a fixed batch with fixed noise: the clear signal
+    assert sorted(val) == [10, 20, 30, 40] and val[40] < 0.9 * val[10], val
     assert all(r["tokens_per_s"] > 0 for r in full.records("train"))
     ckpt = full.out_dir / "checkpoints" / "step_00000040"
     assert json.loads((ckpt / "loong.json").read_text())["model"]["diffusion"]["num_layers"] == 2
