@@ -33,7 +33,12 @@ from loong_ckpt.components import (
     same_model,
     write_any_model_yaml,
 )
-from loong_ckpt.diffusion import diffusers_to_mcore, is_diffusers_wan, is_diffusion_checkpoint, mcore_to_diffusers
+from loong_ckpt.diffusion import (
+    diffusers_to_mcore,
+    is_diffusers_wan,
+    is_diffusion_checkpoint,
+    mcore_to_diffusers,
+)
 from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
 from loong_ckpt.log import logger
