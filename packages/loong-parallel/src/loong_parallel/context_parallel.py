@@ -1,0 +1,33 @@
+"""This context-parallel rank's share of a micro-batch: the load-balanced (zigzag) slice of every
+sequence, the layout megatron's RoPE and the CP attention (TE's, or loong-models' ring / a2a)
+expect. Packed (THD) batches are split per document and keep the full ``cu_seqlens``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loong_models.attention.cp_layout import packed_zigzag, zigzag_positions
+
+# Per-token fields of a micro-batch, [b, s] (THD: [1, t]).
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def split_for_context_parallel(batch: dict[str, Any], cp_size: int, cp_rank: int) -> dict[str, Any]:
+    """The micro-batch as rank ``cp_rank`` of ``cp_size`` sees it; other keys pass unchanged.
+    Every sequence (every THD segment) must be divisible by ``2 * cp_size``: pad samples with
+    ``loong_data.collate_packed(..., segment_multiple=2 * cp)``."""
+    if cp_size == 1:
+        return batch
+    if "cu_seqlens" in batch:
+        cu = [int(x) for x in batch["cu_seqlens"].tolist()]
+        try:
+            index, _ = packed_zigzag(cu, cp_size, cp_rank)
+        except ValueError as e:
+            raise ValueError(f"packed micro-batch with segments {cu}: {e}") from None
+    else:
+        index = zigzag_positions(int(batch["tokens"].shape[1]), cp_size, cp_rank)
+    out = dict(batch)
+    for key in SEQUENCE_KEYS:
+        if key in batch:
+            out[key] = batch[key].index_select(1, index.to(batch[key].device))
+    return out
