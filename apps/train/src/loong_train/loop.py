@@ -31,6 +31,7 @@ from loong_parallel import (
     shutdown,
     train_step,
 )
+from loong_parallel.context_parallel import split_for_context_parallel
 from loong_train.data import load_text_data, step_batches
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, progress_bar
@@ -42,7 +43,7 @@ from loong_train.multimodal import (
     vision_flops_per_patch,
 )
 from loong_train.schema import Config, ConfigError, validate
-from loong_train.thd import build_balancer, schedule_shape
+from loong_train.thd import PackedDocuments, build_balancer, schedule_shape
 from loong_xpu import Accelerator, get_accelerator, redirect_cuda
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -66,7 +67,9 @@ def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_
     batches also carry images / videos (``MEDIA_KEYS``), which go to the model as keywords.
     ``return_schedule_plan``: megatron's combined 1F1B schedule (MoE all-to-all overlap) asks for
     the model's schedule plan of this micro-batch instead of running its forward."""
-    batch = next(data_iterator)
+    batch = split_for_context_parallel(
+        next(data_iterator), mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+    )
     tokens = batch["tokens"].to(device, non_blocking=True)
     packed = None
     if "cu_seqlens" in batch:
@@ -128,6 +131,9 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         data = load_multimodal_data(cfg.data, cfg.model, is_main=is_main, seed=t.seed)
     else:
         data = load_text_data(cfg.data, is_main=is_main, seed=t.seed)
+        for split in (data.train, data.val):
+            if isinstance(split, PackedDocuments):  # CP cuts every document into 2 x cp chunks
+                split.segment_multiple = 2 * cfg.parallel.cp
     if data.tokenizer.vocab_size > f.vocab_size:
         raise ConfigError(
             f"model.foundation.vocab_size={f.vocab_size} is smaller than the tokenizer's vocabulary "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
+from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_train.multimodal_config import MultimodalDataConfig, validate_multimodal
 from loong_train.packing_config import BalanceConfig, ThdConfig, validate_packing
 
@@ -135,6 +136,13 @@ def validate(cfg: Config, world_size: int) -> int:
     ):
         raise ConfigError(error)
     for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing, balance=d.balance.enabled):
+        raise ConfigError(error)
+    for error in context_parallel_conflicts(cfg.parallel, seq_length=d.seq_length, features={
+        "model.foundation.sparse_attention (DeepSeek sparse attention)": f.sparse_attention is not None,
+        "model.foundation.mla (multi-latent attention: no CP parity test yet)": f.mla is not None,
+        "data.kind=multimodal (the VLM path has no CP split yet)": d.kind == "multimodal",
+        "data.balance.enabled=true (the DP balancer would split a CP group's samples)": d.balance.enabled,
+    }):  # fmt: skip
         raise ConfigError(error)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from loong_data import DocumentDataset, PackingStrategy, collate_packed
+from loong_data import DocumentDataset, PackingStrategy, collate_packed, padded_length
 from loong_parallel.balance import BalancePlan, DPBalancer, FieldSpec, OnlineCostFit, QuadraticCost
 
 # What moves between ranks; position ids are rebuilt by collate_packed.
@@ -24,6 +24,8 @@ class PackedDocuments:
     capacity: int
     strategy: PackingStrategy
     pad_id: int
+    # Every document is padded to a multiple of this (context parallelism: 2 x cp chunks each).
+    segment_multiple: int = 1
 
     def __len__(self) -> int:
         return len(self.documents)
@@ -32,8 +34,10 @@ class PackedDocuments:
         samples = [{k: v for k, v in self.documents[i].items() if k in EXCHANGED} for i in indices]
         if balancer is not None:
             samples = balancer.balance(samples, self.documents.lengths[indices])
-        packs = self.strategy.pack([int(s["tokens"].shape[0]) for s in samples], self.capacity)
-        return [collate_packed([samples[j] for j in pack], capacity=self.capacity, pad_id=self.pad_id)
+        lengths = [padded_length(int(s["tokens"].shape[0]), self.segment_multiple) for s in samples]
+        packs = self.strategy.pack(lengths, self.capacity)
+        return [collate_packed([samples[j] for j in pack], capacity=self.capacity, pad_id=self.pad_id,
+                               segment_multiple=self.segment_multiple)
                 for pack in packs]
 
 
