@@ -67,3 +67,29 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_run(megatron_cpu, chunk_
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=TOL, atol=TOL, msg=name)
     assert state.cache == []  # the key/value cache is freed with the sample
+
+
+def test_each_chunk_reproduces_its_rows_of_the_full_sequence(megatron_cpu):
+    """RoPE offset and bottom-right causal alignment: chunk i's per-token losses equal rows
+    [start, end) of the unchunked forward (packed documents crossing chunk boundaries)."""
+    model, vocab = _tiny_model()
+    batch = _sample(vocab, [7, 19, 2, 20])
+    packed = packed_seq_params(batch["cu_seqlens"], 20)
+    with torch.no_grad():
+        full = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed)
+    state = enable_chunkpipe(model)
+    state.begin_sample(batch["position_ids"][0], batch["cu_seqlens"].tolist())
+    with torch.no_grad():
+        for j, a in enumerate(range(0, SEQ, 16)):
+            state.begin_chunk(j, a, a + 16, build_cache=True)
+            rows = model(batch["tokens"][:, a : a + 16], batch["position_ids"][:, a : a + 16], None,
+                         labels=batch["labels"][:, a : a + 16])  # fmt: skip
+            torch.testing.assert_close(rows, full[:, a : a + 16], rtol=TOL, atol=TOL)
+    state.end_sample()
+
+
+def test_models_chunkpipe_cannot_run_are_refused(megatron_cpu):
+    cfg = load_model_config("deepseek-v3-tiny", ["layer_backend=local"])
+    tconfig = build_transformer_config(cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="MLA"):
+        enable_chunkpipe(build_model(cfg, tconfig, device_type="cpu"))

@@ -9,7 +9,7 @@ accumulates into the leaves' ``.grad`` the gradient that later chunks send to ea
 and values. The schedule (loong-parallel's :mod:`loong_parallel.chunkpipe`) runs backward in
 reverse chunk order and feeds those gradients back in as extra roots.
 
-Packed (THD) samples: a query sees a key only within its own segment (``segments``), and RoPE
+Packed (THD) samples: a query sees a key only within its own segment (``boundaries``), and RoPE
 positions restart per segment, across chunk boundaries too. Supported: rotary-embedding GQA / MHA
 models (Llama, Qwen); MLA computes RoPE inside its attention and is refused.
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
@@ -30,7 +31,7 @@ class ChunkState:
 
     num_layers: int
     positions: torch.Tensor | None = None  # [S] RoPE position of every token of the sample
-    segments: torch.Tensor | None = None  # [S] segment (document) of every token
+    boundaries: list[int] = field(default_factory=list)  # segment (document) starts, then S
     chunk: int = 0  # index of the current chunk in the sample
     start: int = 0  # sample index of the current chunk's first token
     end: int = 0
@@ -38,9 +39,15 @@ class ChunkState:
     cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     live_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # this pass's (k, v)
 
-    def begin_sample(self, positions: torch.Tensor, segments: torch.Tensor) -> None:
-        self.positions, self.segments = positions, segments
+    def begin_sample(self, positions: torch.Tensor, boundaries: list[int]) -> None:
+        self.positions, self.boundaries = positions, boundaries
         self.cache = [[] for _ in range(self.num_layers)]
+
+    def segments_in_chunk(self) -> list[tuple[int, int]]:
+        """(segment start, end of the segment's part up to this chunk's end) for every segment
+        with tokens in the current chunk, in order."""
+        b = self.boundaries
+        return [(lo, min(hi, self.end)) for lo, hi in zip(b[:-1], b[1:]) if lo < self.end and hi > self.start]
 
     def begin_chunk(self, chunk: int, start: int, end: int, *, build_cache: bool) -> None:
         self.chunk, self.start, self.end, self.build_cache = chunk, start, end, build_cache
@@ -51,7 +58,7 @@ class ChunkState:
         return [(k.grad, v.grad) for k, v in (layer[chunk] for layer in self.cache)]
 
     def end_sample(self) -> None:
-        self.cache, self.live_kv, self.positions, self.segments = [], [], None, None
+        self.cache, self.live_kv, self.positions, self.boundaries = [], [], None, []
 
 
 class ChunkedAttention(torch.nn.Module):
@@ -72,16 +79,23 @@ class ChunkedAttention(torch.nn.Module):
         values = torch.cat([v for _, v in cache[: st.chunk]] + [value])
         if st.build_cache:
             cache.append((key.detach().requires_grad_(), value.detach().requires_grad_()))
-        seg = st.segments
-        q_seg, k_seg = seg[st.start : st.end], seg[: st.end]
-        q_idx = torch.arange(st.start, st.end, device=seg.device)
-        allowed = (q_seg[:, None] == k_seg[None, :]) & (q_idx[:, None] >= torch.arange(st.end, device=seg.device))
         # [s, 1, h, d] -> [1, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, keys, values))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+        out = torch.cat([self._segment(q, k, v, lo, hi) for lo, hi in st.segments_in_chunk()], dim=2)
         s, b, h, d = query.shape[0], out.shape[0], out.shape[1], out.shape[3]
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+    def _segment(self, q, k, v, lo: int, hi: int) -> torch.Tensor:
+        """Chunk rows ``[max(start, lo), hi)`` of the segment starting at sample index ``lo``
+        against its keys ``[lo, hi)``: bottom-right aligned causal attention (the last query
+        sees every key), which fused kernels take without a materialised mask."""
+        st = self.state
+        first = max(st.start, lo)
+        qs = q[:, :, first - st.start : hi - st.start]
+        ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
+        mask = causal_lower_right(qs.shape[2], ks.shape[2])
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.softmax_scale,
+                                              enable_gqa=ks.shape[1] != qs.shape[1])  # fmt: skip
 
 
 def _decoder_layers(model: torch.nn.Module) -> list:

@@ -34,14 +34,14 @@ def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk_size, seq_len)) for a in range(0, seq_len, chunk_size)]
 
 
-def sample_segments(batch: dict, seq_len: int, device: torch.device) -> torch.Tensor:
-    """Segment number of every token: packed samples (``cu_seqlens``) hold several documents."""
+def sample_boundaries(batch: dict, seq_len: int) -> list[int]:
+    """Segment starts and the end: packed samples (``cu_seqlens``) hold several documents."""
     if "cu_seqlens" not in batch:
-        return torch.zeros(seq_len, dtype=torch.long, device=device)
-    lengths = torch.diff(batch["cu_seqlens"].to(torch.long))
-    if int(lengths.sum()) != seq_len:
-        raise ValueError(f"cu_seqlens cover {int(lengths.sum())} tokens, the sample has {seq_len}")
-    return torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+        return [0, seq_len]
+    cu = [int(x) for x in batch["cu_seqlens"].tolist()]
+    if cu[0] != 0 or cu[-1] != seq_len:
+        raise ValueError(f"cu_seqlens must run from 0 to the sample length {seq_len}, got {cu[0]}..{cu[-1]}")
+    return cu
 
 
 def _rng_states() -> tuple:
@@ -91,7 +91,7 @@ def chunkpipe_forward_backward(model, state: ChunkState, batch: dict, chunk_size
     sample = _Sample(model, batch, device)
     seq_len = sample.fields["tokens"].shape[1]
     bounds = chunk_bounds(seq_len, chunk_size)
-    state.begin_sample(sample.fields["position_ids"][0], sample_segments(batch, seq_len, device))
+    state.begin_sample(sample.fields["position_ids"][0], sample_boundaries(batch, seq_len))
     rng, total = [], 0.0
     try:
         for j, (a, b) in enumerate(bounds[:-1]):
