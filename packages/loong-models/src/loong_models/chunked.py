@@ -120,6 +120,11 @@ def enable_chunkpipe(model: torch.nn.Module) -> ChunkState:
         raise ValueError("ChunkPipe supports GQA / MHA attention; MLA (model.foundation.mla) is not supported yet")
     if getattr(model, "position_embedding_type", "rope") != "rope":
         raise ValueError(f"ChunkPipe needs RoPE positions, the model uses {model.position_embedding_type!r}")
+    if cfg.recompute_granularity is not None:
+        raise ValueError(
+            "ChunkPipe recomputes every chunk but the last itself; set model.foundation.recompute=null "
+            f"(got {cfg.recompute_granularity!r}: megatron's checkpointing would rerun the cached attention)"
+        )
     if cfg.context_parallel_size > 1:
         raise ValueError("ChunkPipe and context parallelism (parallel.cp > 1) cannot combine")
     layers = _decoder_layers(model)
