@@ -1,7 +1,8 @@
-"""torchrun worker: context-parallel layouts against the one-process computation, in fp32.
+"""torchrun worker: context-parallel and ChunkPipe layouts against the one-process computation, in fp32.
 
 Usage: ``torchrun --nproc-per-node N cp_worker.py OUT.json LAYOUT...`` with LAYOUT like
-``cp2``, ``cp2-tp2``, ``cp2-pp2``, ``cp4-a2a``, ``cp2-thd``. The first pass runs with
+``cp2``, ``cp2-tp2``, ``cp2-pp2``, ``cp4-a2a``, ``cp2-thd``, ``chunkpipe-pp2-thd`` (ChunkPipe
+runs every sample of the batch in chunks instead of megatron's schedule). The first pass runs with
 tp = pp = cp = 1 (every rank computes the whole global batch: the one-process numbers); then each
 layout runs the same model, weights and global batch through megatron's schedule, DDP and
 ``finalize_model_grads`` (which reduces gradients and token counts over DP x CP). Every
@@ -18,11 +19,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from loong_data import collate_packed
 from loong_models import build_model, build_transformer_config, fusion_fields, load_model_config
+from loong_models.chunked import enable_chunkpipe
 from loong_models.packed_seq import packed_seq_params
 from loong_parallel import (
     ParallelConfig,
@@ -31,21 +34,24 @@ from loong_parallel import (
     runtime_transformer_fields,
     unwrap,
 )
+from loong_parallel.chunkpipe import chunkpipe_forward_backward
 from loong_parallel.context_parallel import split_for_context_parallel
 from loong_xpu import get_accelerator, redirect_cuda
 
 SEQ, MICRO, MICROBATCHES, LAYERS = 32, 2, 2, 4
 DOCS = [[5, 11, 9], [21, 3], [2, 17, 6]]  # THD: documents per pack (padded to 2 x cp multiples)
 CAPACITY = 64
+CHUNK = 12  # ChunkPipe layouts: chunk boundaries fall inside documents, the last chunk is short
 
 
-def parse(layout: str) -> tuple[ParallelConfig, bool]:
+def parse(layout: str) -> tuple[ParallelConfig, bool, bool]:
+    """(layout, packed data, ChunkPipe)."""
     kw: dict = {"cp_comm_type": "a2a" if "a2a" in layout else "p2p"}
     for part in layout.split("-"):
         for key in ("cp", "tp", "pp"):
             if part.startswith(key) and part[len(key):].isdigit():
                 kw[key] = int(part[len(key):])
-    return ParallelConfig(**kw), "thd" in layout
+    return ParallelConfig(**kw), "thd" in layout, "chunkpipe" in layout
 
 
 def global_batch(vocab: int, thd: bool) -> list[dict]:
@@ -102,7 +108,27 @@ def full_grads(chunks, layers_per_stage: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_layout(pcfg: ParallelConfig, thd: bool, accel) -> tuple[float, dict[str, torch.Tensor]]:
+def samples(microbatch: dict) -> list[dict]:
+    """ChunkPipe takes one sample at a time: the rows of a [b, s] micro-batch (a THD pack is one)."""
+    if "cu_seqlens" in microbatch:
+        return [microbatch]
+    return [{k: v[i : i + 1] for k, v in microbatch.items()} for i in range(microbatch["tokens"].shape[0])]
+
+
+def run_chunkpipe(chunks, batch: list[dict]) -> list[dict]:
+    """Every sample of the global batch through ChunkPipe (CHUNK tokens per chunk), then megatron's
+    gradient finalisation with the batch's token count, as its schedule would do."""
+    state = enable_chunkpipe(unwrap(chunks[0]))
+    outputs, tokens = [], 0
+    for sample in (s for mb in batch for s in samples(mb)):
+        r = chunkpipe_forward_backward(chunks[0], state, sample, CHUNK, torch.device("cpu"))
+        outputs.append({"lm loss": torch.tensor([r.loss_sum, r.num_tokens], dtype=torch.float64)})
+        tokens += r.num_tokens
+    finalize_model_grads(chunks, num_tokens=torch.tensor(tokens, dtype=torch.int))
+    return outputs
+
+
+def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     world = dist.get_world_size()
     initialize_model_parallel(pcfg, world)
     model_parallel_cuda_manual_seed(0)
@@ -120,11 +146,14 @@ def run_layout(pcfg: ParallelConfig, thd: bool, accel) -> tuple[float, dict[str,
 
     chunks = build_model_chunks(provider, pcfg, tconfig, accel)
     batch = global_batch(cfg.foundation.vocab_size, thd)
-    outputs = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, pcfg), data_iterator=iter(batch), model=chunks,
-        num_microbatches=len(batch), seq_length=batch[0]["tokens"].shape[1],
-        micro_batch_size=batch[0]["tokens"].shape[0], forward_only=False,
-    )  # fmt: skip
+    if chunked:
+        outputs = run_chunkpipe(chunks, batch)
+    else:
+        outputs = get_forward_backward_func()(
+            forward_step_func=partial(forward_step, pcfg), data_iterator=iter(batch), model=chunks,
+            num_microbatches=len(batch), seq_length=batch[0]["tokens"].shape[1],
+            micro_batch_size=batch[0]["tokens"].shape[0], forward_only=False,
+        )  # fmt: skip
     total = torch.zeros(2, dtype=torch.float64)
     if mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
         for o in outputs:
@@ -149,8 +178,8 @@ def main() -> None:
         refs = {thd: run_layout(ParallelConfig(), thd, accel) for thd in {parse(x)[1] for x in layouts}}
         report = {}
         for layout in layouts:
-            pcfg, thd = parse(layout)
-            loss, grads = run_layout(pcfg, thd, accel)
+            pcfg, thd, chunked = parse(layout)
+            loss, grads = run_layout(pcfg, thd, accel, chunked)
             ref_loss, ref_grads = refs[thd]
             assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
             diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)

@@ -1,6 +1,7 @@
 """Context parallelism: the load-balanced split of micro-batches, the configs that cannot
 combine with it, and (torchrun, gloo) 2- and 4-process CP layouts, alone and with TP and PP, for
-plain and packed (THD) data, against the one-process loss and gradients in fp32."""
+plain and packed (THD) data, against the one-process loss and gradients in fp32. The same
+launches run ChunkPipe across 2 and 4 pipeline stages (see cp_worker.py)."""
 
 from __future__ import annotations
 
@@ -74,12 +75,12 @@ def _torchrun(nproc: int, layouts: list[str], out: Path) -> dict:
 @pytest.mark.parametrize(
     ("nproc", "layouts"),
     [
-        (2, ["cp2", "cp2-a2a-thd"]),
-        (4, ["cp4", "cp2-tp2", "cp2-pp2", "cp2-a2a", "cp4-thd", "cp2-tp2-thd", "cp2-pp2-thd"]),
+        (2, ["cp2", "cp2-a2a-thd", "chunkpipe-pp2", "chunkpipe-pp2-thd"]),
+        (4, ["cp4", "cp2-tp2", "cp2-pp2", "cp2-a2a", "cp4-thd", "cp2-tp2-thd", "cp2-pp2-thd", "chunkpipe-pp4-thd"]),
     ],
     ids=["2-processes", "4-processes"],
 )
-def test_context_parallel_layouts_match_one_process_in_loss_and_every_gradient(tmp_path, nproc, layouts):
+def test_cp_and_chunkpipe_layouts_match_one_process_in_loss_and_every_gradient(tmp_path, nproc, layouts):
     report = _torchrun(nproc, layouts, tmp_path / "report.json")
     assert sorted(report) == sorted(layouts)
     for layout, r in report.items():

@@ -137,7 +137,7 @@ def enable_chunkpipe(model: torch.nn.Module) -> ChunkState:
         if scale is None:
             scale = cfg.kv_channels**-0.5
         layer.self_attention.core_attention = ChunkedAttention(i, state, scale)
-    if model.pre_process or hasattr(model, "rotary_pos_emb"):
+    if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.forward = _chunk_rope(model.rotary_pos_emb, state)
     return state
 
