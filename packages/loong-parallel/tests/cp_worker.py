@@ -87,6 +87,36 @@ def _loss(mask, per_token):
     return s, n, {"lm loss": torch.stack([s.detach(), mask.sum()])}
 
 
+def global_name(name: str, offset: int) -> str:
+    """A parameter's name in the one-stage model (pipeline stages number their layers from 0)."""
+    if not name.startswith("decoder.layers."):
+        return name
+    i, rest = name[len("decoder.layers."):].split(".", 1)
+    return f"decoder.layers.{int(i) + offset}.{rest}"
+
+
+def _shard(name: str, p, full: torch.Tensor) -> torch.Tensor:
+    tp = mpu.get_tensor_model_parallel_group()
+    if not getattr(p, "tensor_model_parallel", False) or tp.size() == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):  # SwiGLU: each shard is [gate_r; up_r]
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp.size(), 0)[tp.rank()], up.chunk(tp.size(), 0)[tp.rank()]])
+    return full.chunk(tp.size(), dim=p.partition_dim)[tp.rank()]
+
+
+@torch.no_grad()
+def load_weights(chunks, weights: dict[str, torch.Tensor], layers_per_stage: int) -> None:
+    """The one-stage model's weights into this layout (layers of later pipeline stages are
+    initialised from other RNG draws, so every layout starts from the reference's weights)."""
+    offset = mpu.get_pipeline_model_parallel_rank() * layers_per_stage
+    for name, p in unwrap(chunks[0]).named_parameters():
+        key = global_name(name, offset)
+        if key == "output_layer.weight" and key not in weights:
+            key = "embedding.word_embeddings.weight"  # tied embeddings: the last stage's copy
+        p.copy_(_shard(name, p, weights[key]))
+
+
 def full_grads(chunks, layers_per_stage: int) -> dict[str, torch.Tensor]:
     """name (global layer numbers) -> this param's whole gradient, gathered over TP."""
     tp = mpu.get_tensor_model_parallel_group()
@@ -101,10 +131,7 @@ def full_grads(chunks, layers_per_stage: int) -> dict[str, torch.Tensor]:
                 halves = [s.chunk(2, dim=0) for s in shards]
                 shards = [h[0] for h in halves] + [h[1] for h in halves]
             g = torch.cat(shards, dim=p.partition_dim)
-        if name.startswith("decoder.layers."):
-            i, rest = name[len("decoder.layers."):].split(".", 1)
-            name = f"decoder.layers.{int(i) + offset}.{rest}"
-        out[name] = g
+        out[global_name(name, offset)] = g
     return out
 
 
@@ -128,7 +155,8 @@ def run_chunkpipe(chunks, batch: list[dict]) -> list[dict]:
     return outputs
 
 
-def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False, weights: dict | None = None):
+    """(loss, gradients by global name, weights by global name) of one layout."""
     world = dist.get_world_size()
     initialize_model_parallel(pcfg, world)
     model_parallel_cuda_manual_seed(0)
@@ -145,6 +173,10 @@ def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False) ->
         return build_model(cfg, tconfig, device_type="cpu", pre_process=pre, post_process=post, vp_stage=vp_stage)
 
     chunks = build_model_chunks(provider, pcfg, tconfig, accel)
+    if weights is None:  # the reference: one stage, no TP
+        weights = {n: p.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
+    else:
+        load_weights(chunks, weights, LAYERS // pcfg.pp)
     batch = global_batch(cfg.foundation.vocab_size, thd)
     if chunked:
         outputs = run_chunkpipe(chunks, batch)
@@ -167,7 +199,7 @@ def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False) ->
         for k, v in part.items():
             merged.setdefault(k, v)
     mpu.destroy_model_parallel()
-    return float(total[0] / total[1]), merged
+    return float(total[0] / total[1]), merged, weights
 
 
 def main() -> None:
@@ -179,8 +211,12 @@ def main() -> None:
         report = {}
         for layout in layouts:
             pcfg, thd, chunked = parse(layout)
-            loss, grads = run_layout(pcfg, thd, accel, chunked)
-            ref_loss, ref_grads = refs[thd]
+            ref_loss, ref_grads, weights = refs[thd]
+            loss, grads, _ = run_layout(pcfg, thd, accel, chunked, weights)
+            if "output_layer.weight" in grads and "output_layer.weight" not in ref_grads:
+                # tied embeddings under PP: the last stage's output layer is a copy of the input
+                # embedding, and megatron makes their gradients the embedding's whole gradient
+                ref_grads = {**ref_grads, "output_layer.weight": ref_grads["embedding.word_embeddings.weight"]}
             assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
             diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
             scale = max(v.abs().max().item() for v in ref_grads.values())
