@@ -2,6 +2,7 @@
 
 loong-convert hf-to-mcore <hf dir> <out dir> [--tp N] [--pp N] [--ep N] [--dtype auto|fp32|bf16|fp16]
 loong-convert mcore-to-hf <checkpoint dir> <out dir> [--dtype ...] [--tokenizer DIR]
+loong-convert mcore-to-peft <LoRA checkpoint dir> <out dir> [--base-model NAME]
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import warnings
 from pathlib import Path
+
+from loong_xpu.log import quiet_megatron
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,25 +49,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     for p in (a, b):
         p.add_argument("--dtype", default="auto", help="auto (keep), fp32, bf16 or fp16")
-        p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = sub.add_parser("mcore-to-peft", help="LoRA checkpoint (adapters only) -> PEFT adapter directory")
+    c.add_argument("src", type=Path, help="LoRA checkpoint directory (a run with model.lora)")
+    c.add_argument("out", type=Path, help="output adapter directory (adapter_config.json + safetensors)")
+    c.add_argument("--base-model", help="base_model_name_or_path to record (default: the run's base weights)")
+    for p in (a, b, c):
+        p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=SyntaxWarning)
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine) (is|are) not installed")
+    quiet_megatron()
     logging.basicConfig(level=logging.WARNING, format="[loong-convert] %(levelname)s: %(message)s")
-    for noisy in ("megatron", "torch.utils.cpp_extension"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    logging.getLogger("megatron").setLevel(logging.ERROR)
 
     from loong_ckpt.convert import hf_to_mcore, mcore_to_hf
     from loong_ckpt.hf_config import ConversionError
 
     try:
-        if args.command == "hf-to-mcore":
+        if args.command == "mcore-to-peft":
+            from loong_ckpt.peft import export_peft
+
+            print(f"wrote {export_peft(args.src, args.out, base_model=args.base_model, force=args.force)}")
+        elif args.command == "hf-to-mcore":
             res = hf_to_mcore(args.src, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype, name=args.name,
                               force=args.force, progress=not args.no_progress)  # fmt: skip
             print(

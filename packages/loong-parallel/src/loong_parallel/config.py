@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-MOE_DISPATCHERS = ("alltoall", "allgather")
-# How context-parallel ranks exchange attention inputs: p2p (ring: key/value blocks travel around
-# the CP ranks) or a2a (all-to-all: each rank attends the whole sequence for heads / cp heads).
-CP_COMM_TYPES = ("p2p", "a2a")
-# megatron-core's fine-grained activation offloading points (the input of each module goes to host).
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+from loong_parallel.balance.config import BalanceConfig
+
+
+class MoEDispatcher(StrEnum):
+    """How tokens reach their experts' ranks (megatron's moe_token_dispatcher_type)."""
+
+    alltoall = "alltoall"
+    allgather = "allgather"
+
+
+class EncoderLayout(StrEnum):
+    """Where a VLM's image encoder runs (loong_parallel.encoder_layout)."""
+
+    shared = "shared"  # every rank of a TP group encodes every image of its micro-batch
+    hetero_dp = "hetero_dp"  # the micro-batch's images split over the TP ranks, each encoded once
+
+
+class OffloadModule(StrEnum):
+    """megatron-core's fine-grained activation offloading points (the input of each module goes to host)."""
+
+    attn_norm = "attn_norm"
+    qkv_linear = "qkv_linear"
+    core_attn = "core_attn"
+    attn_proj = "attn_proj"
+    mlp_norm = "mlp_norm"
+    expert_fc1 = "expert_fc1"
+    moe_act = "moe_act"
+
+
+class CPCommType(StrEnum):
+    """How context-parallel ranks exchange attention inputs (megatron's cp_comm_type)."""
+
+    p2p = "p2p"  # ring: key/value blocks travel around the CP ranks
+    a2a = "a2a"  # all-to-all: each rank attends the whole sequence for heads / cp heads
 
 
 @dataclass
@@ -21,12 +50,16 @@ class ParallelConfig:
     # Context parallelism: every sequence is split over cp ranks (load-balanced: 2 x cp chunks,
     # rank r holds chunks r and 2cp-1-r); attention runs over the CP group by cp_comm_type.
     cp: int = 1
-    cp_comm_type: str = "p2p"
+    cp_comm_type: CPCommType = CPCommType.p2p
     distributed_optimizer: bool = False  # shard optimizer state across DP ranks (ZeRO-1)
     overlap_grad_reduce: bool = False  # overlap DP gradient reduction with backward
     overlap_param_gather: bool = False  # overlap the distributed optimizer's param all-gather
     grad_reduce_in_fp32: bool = True
     ddp_bucket_size: int | None = None  # elements per DDP bucket; None = megatron's default
+    # Where a VLM's image encoder runs (loong_parallel.encoder_layout): shared (every TP rank
+    # encodes every image) | hetero_dp (the images of a micro-batch split over the TP ranks;
+    # needs model.image_encoder.tensor_model_parallel_size=1 and tp > 1).
+    encoder_layout: EncoderLayout = EncoderLayout.shared
     # Mixture-of-Experts layout (only for models with a `moe:` config). Experts are split over
     # ep ranks; each expert's weights over etp ranks (None = tp). Expert layers see
     # world / (etp x ep x pp) data-parallel replicas; the rest of the model keeps tp x pp x dp.
@@ -34,15 +67,17 @@ class ParallelConfig:
     etp: int | None = None
     # How tokens reach their experts' ranks: alltoall (sends each token only where it is routed;
     # needed for the overlaps below) or allgather (every rank sees all tokens of its TP group).
-    moe_token_dispatcher: str = "alltoall"
+    moe_token_dispatcher: MoEDispatcher = MoEDispatcher.alltoall
     # Run the shared experts on a side stream while the routed tokens are dispatched (CUDA).
     moe_shared_expert_overlap: bool = False
     # Hide the expert-parallel all-to-all behind another micro-batch's computation (megatron's
     # combined 1F1B schedule; CUDA, bf16/fp16, ep > 1, with pp > 1 only interleaved (vpp)).
     moe_a2a_overlap: bool = False
     # Fine-grained activation offloading: the inputs of these modules are kept in host memory
-    # between forward and backward (CUDA); empty = off. Choices: OFFLOAD_MODULES.
-    offload_activations: list[str] = field(default_factory=list)
+    # between forward and backward (CUDA); empty = off.
+    offload_activations: list[OffloadModule] = field(default_factory=list)
+    # Data-parallel load balancing of packed samples (data.packing=thd)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
 
     @property
     def expert_tp(self) -> int:
@@ -70,6 +105,8 @@ class ParallelConfig:
     ) -> None:
         """Raise ValueError naming the key when the layout cannot hold the model. The MoE
         arguments describe the model's experts (None: a dense model)."""
+        for error in self.balance.errors():
+            raise ValueError(error)
         for key in ("tp", "pp", "ep", "cp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)} must be >= 1")
@@ -87,12 +124,15 @@ class ParallelConfig:
             )
         if self.vpp is not None and self.pp < 2:
             raise ValueError(f"parallel.vpp={self.vpp} needs parallel.pp >= 2")
+        if self.encoder_layout == EncoderLayout.hetero_dp and self.tp == 1:
+            raise ValueError("parallel.encoder_layout=hetero_dp splits images over the TP ranks: it needs parallel.tp > 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
-        if self.cp_comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"parallel.cp_comm_type={self.cp_comm_type!r}; allowed: {', '.join(CP_COMM_TYPES)}")
+        if self.cp_comm_type not in tuple(CPCommType):  # OmegaConf checks it; direct construction does not
+            allowed = ", ".join(CPCommType)
+            raise ValueError(f"parallel.cp_comm_type={str(self.cp_comm_type)!r}; allowed: {allowed}")
         self.data_parallel_size(world_size)
 
     def _validate_moe(
@@ -100,15 +140,6 @@ class ParallelConfig:
     ) -> None:
         if self.etp is not None and self.etp < 1:
             raise ValueError(f"parallel.etp={self.etp} must be >= 1 or null (= parallel.tp)")
-        if self.moe_token_dispatcher not in MOE_DISPATCHERS:
-            raise ValueError(
-                f"parallel.moe_token_dispatcher={self.moe_token_dispatcher!r}; allowed: {', '.join(MOE_DISPATCHERS)}"
-            )
-        for m in self.offload_activations:
-            if m not in OFFLOAD_MODULES:
-                raise ValueError(
-                    f"parallel.offload_activations: {m!r} is unknown; allowed: {', '.join(OFFLOAD_MODULES)}"
-                )
         if "attn_proj" in self.offload_activations and "core_attn" not in self.offload_activations:
             raise ValueError(
                 "parallel.offload_activations: 'attn_proj' needs 'core_attn' too (megatron offloads them together)"

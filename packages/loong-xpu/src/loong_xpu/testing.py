@@ -6,6 +6,7 @@ Use from a conftest.py: ``from loong_xpu.testing import megatron_cpu``.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Iterator
 
@@ -17,6 +18,15 @@ from loong_xpu.patches import redirect_cuda
 from loong_xpu.registry import get_accelerator
 
 
+def launch_env(device: str = "cpu") -> dict[str, str]:
+    """``os.environ`` for a process a test starts (alone or under torchrun): the device, unbuffered
+    output, one thread per process, and none of the caller's rank variables."""
+    env = dict(os.environ, LOONG_DEVICE=device, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -25,16 +35,20 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def megatron_world(accel: Accelerator) -> Iterator[None]:
-    """A one-process gloo world with megatron's parallel state (TP = PP = 1) on ``accel``'s
-    device 0, with megatron's CUDA calls redirected where the device is not CUDA."""
+    """A one-process world with megatron's parallel state (TP = PP = 1) on ``accel``'s device 0 and
+    collective backend (gloo on the CPU), with megatron's CUDA calls redirected where the device is
+    not CUDA."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     with redirect_cuda(accel):
         accel.set_device(0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        accel.prepare_distributed()  # a vendor collective backend registers itself here
+        dist.init_process_group(accel.dist_backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         mpu.initialize_model_parallel(1, 1)
-        model_parallel_cuda_manual_seed(0)
+        # a fresh RNG tracker per world: one left by an earlier world in this process would be of
+        # that world's class (a backend's extra patches may replace it)
+        model_parallel_cuda_manual_seed(0, force_reset_rng=True)
         try:
             yield
         finally:
