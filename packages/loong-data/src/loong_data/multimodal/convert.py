@@ -19,6 +19,7 @@ from pathlib import Path
 from PIL import Image
 from tqdm import tqdm
 
+from loong_data.errors import DataError
 from loong_data.log import logger
 from loong_data.multimodal.chat import ConversationError, _check_messages
 
@@ -30,7 +31,7 @@ VIDEO_FILE_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
 ON_ERROR = ("skip", "stop")
 
 
-class ConvertError(ValueError):
+class ConvertError(DataError):
     """A bad input record (with ``--on-error stop``) or bad arguments."""
 
 
