@@ -45,6 +45,8 @@ def to_config(raw: DictConfig):
 
 @hydra.main(config_path="configs", config_name="config", version_base=None)
 def _hydra_main(raw: DictConfig) -> None:
+    from loong_ckpt import ConversionError
+    from loong_data import DataError
     from loong_train.loop import run
     from loong_train.schema import ConfigError
 
@@ -56,7 +58,7 @@ def _hydra_main(raw: DictConfig) -> None:
         summary = run(cfg)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
-    except FileNotFoundError as e:
+    except (DataError, ConversionError, FileNotFoundError) as e:  # bad input: the message names it
         sys.exit(f"error: {e}")
     if int(os.environ.get("RANK", 0)) == 0:
         print(_report(summary), flush=True)
@@ -87,6 +89,11 @@ def _report(s) -> str:
 
 def main() -> None:
     _quiet_third_party()
+    from loong_train.overrides import check_overrides
+    from loong_train.schema import Config
+
+    if (message := check_overrides(sys.argv[1:], Config)) is not None:
+        sys.exit(f"config error: {message}")
     _setup_logging()
     _hydra_main()
 

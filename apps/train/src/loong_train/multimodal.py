@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -36,10 +35,10 @@ from loong_data.multimodal import (
     MultimodalSample,
     PackedMultimodalDataset,
     VisionProcessorConfig,
-    convert_to_webdataset,
     default_multimodal_dataset,
     list_shards,
     load_chat_tokenizer,
+    write_webdataset,
 )
 from loong_models import ModelConfig
 from loong_train.log import logger
@@ -172,22 +171,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _absolute_media(record: dict, root: Path) -> dict:
-    """The record with media paths made absolute (the seeded, merged JSONL lives elsewhere)."""
-    for message in record.get("messages", []) if isinstance(record, dict) else []:
-        content = message.get("content") if isinstance(message, dict) else None
-        for item in content if isinstance(content, list) else []:
-            if not isinstance(item, dict):
-                continue
-            for kind in ("image", "video"):
-                value = item.get(kind) if item.get("type") == kind else None
-                if isinstance(value, str):
-                    item[kind] = str(root / value)
-                elif isinstance(value, list):
-                    item[kind] = [str(root / v) if isinstance(v, str) else v for v in value]
-    return record
-
-
 def convert_sources(cfg: DataConfig, seed: int) -> Path:
     """Shards of the JSONL sources (bundled set when none) in ``data.cache_dir``, converted once:
     a fingerprint of the JSONL contents, media roots and conversion settings names the folder.
@@ -205,26 +188,23 @@ def convert_sources(cfg: DataConfig, seed: int) -> Path:
     if (out / "manifest.json").is_file():
         logger.info("multimodal shards: %s (cached)", out)
         return out
+    # (the user's file:line, record, media root): a skipped record names the user's file and line
     records = []
     for src, root in zip(sources, roots):
         with src.open(encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        records.append(json.dumps(_absolute_media(json.loads(line), root.resolve())))
+                        records.append((f"{src}:{n}", json.loads(line), root))
                     except json.JSONDecodeError as e:
                         raise ConfigError(
                             f"data.multimodal.jsonl: {src}:{n} is not valid JSON ({e.msg})"
                         ) from None
     random.Random(seed).shuffle(records)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
-        merged = Path(tmp) / "records.jsonl"  # the seeded order; convert_to_webdataset writes out atomically
-        merged.write_text("\n".join(records) + "\n", encoding="utf-8")
-        try:
-            report = convert_to_webdataset([merged], out, maxcount=mm.samples_per_shard, overwrite=True)
-        except ConvertError as e:
-            raise ConfigError(f"data.multimodal.jsonl: {e}") from None
+    try:
+        report = write_webdataset(records, out, inputs=sources, maxcount=mm.samples_per_shard, overwrite=True)
+    except ConvertError as e:
+        raise ConfigError(f"data.multimodal.jsonl: {e}") from None
     if report.num_skipped:
         logger.warning(
             "skipped %d bad records while converting, e.g. %s", report.num_skipped, report.errors[0]
