@@ -49,14 +49,27 @@ def test_bad_inputs_fail_in_one_line_naming_the_culprit(run_train, tmp_path):
         assert not (run.out_dir / "checkpoints").exists(), name
 
 
-def test_init_from_an_hf_dir_of_another_model_fails_in_one_line(run_train, tmp_path):
+def _tiny_hf_dir(path: Path) -> Path:
+    """A random HF Llama of the TINY test model's shape; its rms_norm_eps as a float32 reads back
+    (9.999999747378752e-06, as real checkpoints such as SmolLM2's have it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf = tmp_path / "hf"
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=256)  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(hf)
-    run = run_train([f"train.init_from={hf}", "train.steps=1"])
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=8192, max_position_embeddings=2048,
+                         rms_norm_eps=9.999999747378752e-06, tie_word_embeddings=True)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_init_from_an_hf_dir_fine_tunes_or_fails_in_one_line(run_train, tmp_path):
+    hf = _tiny_hf_dir(tmp_path / "hf")
+    run = run_train([f"train.init_from={hf}", "train.steps=2", "train.save_final=false"]).check()
+    # the fine-tuning recipe is chosen and said; the user's optim.warmup_steps=2 (TINY) still holds
+    assert f"train.init_from={hf} starts from trained weights: fine-tuning recipe phase=finetune" in run.stderr
+    lrs = {r["step"]: r["lr"] for r in run.records("train")}
+    assert abs(lrs[1] - 5e-5) < 1e-12 and abs(lrs[2] - 1e-4) < 1e-12, lrs  # the rate each step ran at
+
+    run = run_train([f"train.init_from={hf}", "model.foundation.num_layers=3", "train.steps=1"], name="other")
     line = _one_line_error(run, f"{hf / 'config.json'} describes a different model")
     assert "num_layers" in line
 

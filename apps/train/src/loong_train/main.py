@@ -45,11 +45,18 @@ def to_config(raw: DictConfig):
 
 @hydra.main(config_path="configs", config_name="config", version_base=None)
 def _hydra_main(raw: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     from loong_ckpt import ConversionError
     from loong_data import DataError
     from loong_train.loop import run
+    from loong_train.recipe import apply_finetune_recipe
     from loong_train.schema import ConfigError
 
+    hydra_cfg = HydraConfig.get()
+    recipe = apply_finetune_recipe(raw, hydra_cfg.runtime.choices.get("phase"), list(hydra_cfg.overrides.task))
+    if recipe and int(os.environ.get("RANK", 0)) == 0:
+        logging.getLogger("loong_train").info(recipe)
     try:
         cfg = to_config(raw)
     except OmegaConfBaseException as e:
