@@ -18,8 +18,12 @@ the median over the steps after warm-up.
     python bench/vlm_throughput.py --text-layers 36 --steps 20 --warmup 5
     python bench/vlm_throughput.py --loong-extra model.layer_backend=local
 
-tokens/s counts LLM tokens (image tokens included, padding excluded). MFU = step FLOPs / step
-time / 989 TFLOP/s, step FLOPs = LLM (6 N + 6 L h s) per token (DESIGN.md) + vision tower
+Before any figure is printed, the script asserts that every run saw the same data at every step:
+the same digest of token ids and image grids (`batch_digest`), the same token and image counts,
+each counted by the stack itself (Loong's metrics.jsonl, the HF worker's own loop). tokens/s
+counts LLM tokens (image tokens included, padding excluded). MFU = step FLOPs / step time /
+989 TFLOP/s, step FLOPs = LLM 6 N per token + attention 6 L h per pair of tokens of the same
+sample (DESIGN.md's 6 L h s with s each sample's real length, not the pack's) + vision tower
 (bench/vlm_flops.py: 6 N per patch + bidirectional attention over the frame or window).
 """
 
@@ -38,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_app import run_train_app  # noqa: E402
-from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops, step_counts  # noqa: E402
+from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops_packed, step_counts  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,9 +76,10 @@ class BenchShape:
     vision: VisionShape
     vision_heads: int
 
-    def step_flops(self, counts: StepCounts, seq: int) -> float:
+    def step_flops(self, counts: StepCounts) -> float:
         t = self.text
-        return llm_flops(t.num_parameters(), t.num_layers, t.hidden, seq, counts.tokens) + counts.vision_flops
+        llm = llm_flops_packed(t.num_parameters(), t.num_layers, t.hidden, counts.tokens, counts.token_pairs)
+        return llm + counts.vision_flops
 
 
 def bench_shape(model) -> BenchShape:
@@ -233,7 +238,7 @@ def compose(overrides: list[str]):
 # --- the two stacks ------------------------------------------------------------------------------
 
 
-def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float]:
+def run_loong(args, overrides: list[str], out: Path) -> list[dict]:
     cmd = [
         sys.executable, "-m", "loong_train", "--config-name=vlm", *overrides, f"train.steps={args.steps}",
         "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false", "train.progress=false",
@@ -241,8 +246,7 @@ def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float
         *args.loong_extra,
     ]  # fmt: skip
     print("loong:", " ".join(cmd[2:]), flush=True)
-    train = run_train_app(cmd, out, label="loong run")
-    return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train)
+    return run_train_app(cmd, out, label="loong run")  # log_interval 1: a row per step
 
 
 def hf_worker(args) -> None:
@@ -251,7 +255,7 @@ def hf_worker(args) -> None:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from loong_train.multimodal import load_multimodal_data
+    from loong_train.multimodal import batch_digest, load_multimodal_data
 
     overrides = json.loads(args.overrides)
     cfg = compose(overrides)
@@ -291,7 +295,7 @@ def hf_worker(args) -> None:
         times.append(time.perf_counter() - t0)
         c = step_counts(mbs, shape.vision, data.tokenizer.pad_id)
         counts.append({"tokens": c.tokens, "images": c.images, "patches": c.patches, "vision_flops": c.vision_flops,
-                       "flops": shape.step_flops(c, cfg.data.seq_length)})  # fmt: skip
+                       "flops": shape.step_flops(c), "digest": batch_digest(mbs)})  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     print(json.dumps({"step_times": times, "counts": counts, "peak_gib": peak,
                       "params": sum(p.numel() for p in model.parameters())}))  # fmt: skip
@@ -309,25 +313,53 @@ def run_hf(args, mode: str, overrides: list[str]) -> dict:
 
 @dataclass
 class Row:
+    """One stack's run: per step its time and what it counted itself (tokens, images, the digest
+    of its token ids and image grids)."""
+
     name: str
     step_times: list[float]
+    tokens: list[int]
+    images: list[int]
+    digests: list[int]
     peak_gib: float
 
 
+def loong_row(name: str, train: list[dict]) -> Row:
+    return Row(name, [r["step_time_s"] for r in train], [r["tokens"] for r in train], [r["images"] for r in train],
+               [r["data_digest"] for r in train], max(r["peak_mem_gib"] for r in train))  # fmt: skip
+
+
+def hf_row(name: str, hf: dict) -> Row:
+    c = hf["counts"]
+    return Row(name, hf["step_times"], [x["tokens"] for x in c], [x["images"] for x in c], [x["digest"] for x in c],
+               hf["peak_gib"])  # fmt: skip
+
+
+def check_same_data(rows: list[Row]) -> None:
+    """Every stack trained on the same samples, tokens and images at every step, or the
+    comparison means nothing: exit naming the first step where two differ."""
+    ref = rows[0]
+    for r in rows[1:]:
+        for what in ("digests", "tokens", "images"):
+            a, b = getattr(ref, what), getattr(r, what)
+            if a != b:
+                step = next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) + 1)
+                raise SystemExit(f"{ref.name!r} and {r.name!r} saw different data: {what} differ at step {step} "
+                                 f"({a[step - 1] if step <= len(a) else '-'} != {b[step - 1] if step <= len(b) else '-'})")  # fmt: skip
+
+
 def table(rows: list[Row], counts: list[dict], warmup: int) -> list[str]:
-    """tokens/s, images/s and MFU over the steps after warm-up (totals / total time: packs differ
-    in size from step to step), and the median step time."""
-    kept = counts[warmup:]
-    tokens = sum(c["tokens"] for c in kept)
-    images = sum(c["images"] for c in kept)
-    flops = sum(c["flops"] for c in kept)
+    """tokens/s and images/s from each stack's own counts, MFU from the step FLOPs of the (checked
+    identical) samples, all as totals / total time after warm-up (packs differ in size from step
+    to step), and the median step time."""
+    flops = sum(c["flops"] for c in counts[warmup:])
     lines = [
         f"{'stack':<40} {'step s (med)':>12} {'tokens/s':>10} {'images/s':>9} {'MFU':>6} {'peak GiB':>9}"
     ]
     for r in rows:
         t = sum(r.step_times[warmup:])
-        lines.append(f"{r.name:<40} {statistics.median(r.step_times[warmup:]):12.3f} {tokens / t:10,.0f} "
-                     f"{images / t:9.1f} {flops / t / PEAK_BF16:6.3f} {r.peak_gib:9.1f}")  # fmt: skip
+        lines.append(f"{r.name:<40} {statistics.median(r.step_times[warmup:]):12.3f} {sum(r.tokens[warmup:]) / t:10,.0f} "
+                     f"{sum(r.images[warmup:]) / t:9.1f} {flops / t / PEAK_BF16:6.3f} {r.peak_gib:9.1f}")  # fmt: skip
     return lines
 
 
@@ -372,12 +404,12 @@ def main() -> None:
         overrides = train_overrides(args, jsonl, work)
         rows = []
         if not args.skip_loong:  # first: it converts the data into the shared cache
-            times, peak = run_loong(args, overrides, work / "loong")
-            rows.append(Row("loong " + " ".join(args.loong_extra), times, peak))
+            rows.append(loong_row("loong " + " ".join(args.loong_extra), run_loong(args, overrides, work / "loong")))
         hf = {}
         for mode in args.hf_modes:
             hf = run_hf(args, mode, overrides)
-            rows.append(Row(f"hf transformers ({mode}, sdpa)", hf["step_times"], hf["peak_gib"]))
+            rows.append(hf_row(f"hf transformers ({mode}, sdpa)", hf))
+    check_same_data(rows)
     import torch
 
     cfg = compose(overrides)
@@ -393,6 +425,7 @@ def main() -> None:
           f"{statistics.mean(c['images'] for c in kept):.1f} images, {statistics.mean(c['patches'] for c in kept):,.0f} "
           f"ViT patches; vision share of the FLOPs {sum(c['vision_flops'] for c in kept) / sum(c['flops'] for c in kept):.1%}; "
           f"{args.steps - args.warmup} steps after {args.warmup} warm-up")  # fmt: skip
+    print(f"same data checked: {len(rows)} runs x {args.steps} steps, equal token/grid digests, tokens and images")
     print("\n".join(table(rows, counts, args.warmup)))
     if len(rows) > 1 and not args.skip_loong:
         loong_t, hf_t = sum(rows[0].step_times[args.warmup :]), sum(rows[1].step_times[args.warmup :])

@@ -100,7 +100,31 @@ def test_step_counts_exclude_padding():
     assert real_tokens(mb, pad_id=0) == 7
     counts = step_counts([mb, mb], TINY.vision, pad_id=0)
     assert (counts.tokens, counts.images, counts.patches) == (14, 2, 16)
+    assert counts.token_pairs == 2 * 7 * 7  # attention over the real sample, not the 9-token pack
     assert counts.vision_flops == pytest.approx(2 * vision_flops(TINY.vision, mb["image_grid_thw"]))
+
+
+def test_attention_flops_come_from_real_sample_lengths():
+    from vlm_flops import llm_flops, llm_flops_packed
+
+    t = TINY.text
+    one_long = llm_flops_packed(t.num_parameters(), t.num_layers, t.hidden, tokens=64, token_pairs=64 * 64)
+    assert one_long == llm_flops(t.num_parameters(), t.num_layers, t.hidden, seq_length=64, tokens=64)
+    four_short = llm_flops_packed(t.num_parameters(), t.num_layers, t.hidden, tokens=64, token_pairs=4 * 16 * 16)
+    assert one_long - four_short == 6 * t.num_layers * t.hidden * (64 * 64 - 4 * 16 * 16)
+
+
+def test_the_bench_refuses_runs_that_saw_different_data():
+    from vlm_throughput import Row, check_same_data
+
+    loong = Row("loong", [1.0, 1.0, 1.0], [100, 120, 90], [4, 4, 3], [11, 22, 33], 1.0)
+    check_same_data([loong, Row("hf", [2.0, 2.0, 2.0], [100, 120, 90], [4, 4, 3], [11, 22, 33], 2.0)])
+    for other, what in [(Row("hf", [2.0] * 3, [100, 120, 90], [4, 4, 3], [11, 23, 33], 2.0), "digests differ at step 2"),
+                        (Row("hf", [2.0] * 3, [100, 121, 90], [4, 4, 3], [11, 22, 33], 2.0), "tokens differ at step 2"),
+                        (Row("hf", [2.0] * 3, [100, 120, 90], [4, 4, 2], [11, 22, 33], 2.0), "images differ at step 3"),
+                        (Row("hf", [2.0] * 2, [100, 120], [4, 4], [11, 22], 2.0), "digests differ at step 3")]:  # fmt: skip
+        with pytest.raises(SystemExit, match=what):
+            check_same_data([loong, other])
 
 
 def test_hf_loss_is_the_contract_loss():
@@ -140,3 +164,10 @@ def test_bench_data_feeds_both_stacks_the_same_images(tmp_path):
     image_tokens = sum(int((mb["tokens"] == cfg.model.image_token_id).sum()) for mb in mbs)
     assert image_tokens == 12 * 4  # 16 patches / merge 2x2 per image
     assert sum(mb["pixel_values"].shape[0] for mb in mbs) == 12 * 16
+    # the digest both stacks report: the same for the same step's micro-batches, another for the next
+    from loong_train.multimodal import batch_digest
+
+    again = next(load_multimodal_data(cfg.data, cfg.model, is_main=True, seed=0).train_steps(
+        global_batch_size=4, dp_rank=0, dp_size=1))  # fmt: skip
+    assert batch_digest(again) == batch_digest(mbs) != batch_digest(next(data.train_steps(
+        global_batch_size=4, dp_rank=0, dp_size=1, start_step=1)))  # fmt: skip

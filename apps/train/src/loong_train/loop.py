@@ -268,6 +268,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
 
     bar = progress_bar(t.steps, start_step, enabled=is_main and t.progress)
     window_t0, window_tokens, window_images, window_flops, window_steps = time.perf_counter(), 0, 0, 0.0, 0
+    window_digest = 0  # of the window's last step (multimodal)
     for step in range(start_step + 1, t.steps + 1):
         step_t0 = time.perf_counter()
         mbs = next(batches)
@@ -281,6 +282,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             counts = step_counts(mbs, data.tokenizer.pad_id, mpu.get_data_parallel_group(), device)
             window_tokens += counts["tokens"]
             window_images += counts["images"]
+            window_digest = counts["digest"]
             window_flops += flops_per_token * counts["tokens"] + patch_flops * counts["patches"]
         else:
             window_tokens += result.num_tokens  # loss tokens: every token in fixed packing, real ones in THD
@@ -300,8 +302,9 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             }  # fmt: skip
             if balancer:
                 record.update(balancer.metrics())
+            record["tokens"] = window_tokens  # in this logging window (the step when log_interval=1)
             if multimodal:
-                record["images_per_s"] = window_images / elapsed
+                record.update(images_per_s=window_images / elapsed, images=window_images, data_digest=window_digest)
             postfix = {}
             if router_stats:
                 moe_stats = router_stats.report(num_microbatches * window_steps, step)

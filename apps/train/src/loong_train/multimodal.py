@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -105,9 +106,21 @@ def _forever(ds: PackedMultimodalDataset) -> Iterator[MultimodalSample]:
         epoch += 1
 
 
+def batch_digest(microbatches: list[dict]) -> int:
+    """CRC-32 of the step's token ids and image / video grids: two stacks (or two runs) that
+    report the same digest trained on the same samples (benchmarks assert it)."""
+    crc = 0
+    for mb in microbatches:
+        for key in ("tokens", "image_grid_thw", "video_grid_thw"):
+            if key in mb:
+                crc = zlib.crc32(mb[key].to(torch.int64).numpy().tobytes(), crc)
+    return crc
+
+
 def step_counts(microbatches: list[dict], pad_id: int, group, device: torch.device) -> dict[str, int]:
     """Real tokens (padding excluded, image tokens included), images + videos and ViT patches of
-    the step, summed over the data-parallel group (a collective)."""
+    the step, summed over the data-parallel group (a collective), and ``digest``: the ranks'
+    :func:`batch_digest` summed modulo 2**32."""
     tokens = images = patches = 0
     for mb in microbatches:
         cu, ids = mb["cu_seqlens"], mb["tokens"][0]
@@ -120,9 +133,11 @@ def step_counts(microbatches: list[dict], pad_id: int, group, device: torch.devi
             if key in mb and len(mb[key]):
                 images += int(mb[key].shape[0])
                 patches += int(mb[key].prod(dim=1).sum())
-    t = torch.tensor([tokens, images, patches], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=group)
-    return dict(zip(("tokens", "images", "patches"), (int(x) for x in t.tolist())))
+    t = torch.tensor([tokens, images, patches, batch_digest(microbatches)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)  # float64 holds sums of up to 2**21 CRCs exactly
+    counts = dict(zip(("tokens", "images", "patches", "digest"), (int(x) for x in t.tolist())))
+    counts["digest"] %= 2**32
+    return counts
 
 
 # --- set-up: tokenizer and model agree, sources become shards ------------------------------------
