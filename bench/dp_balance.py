@@ -19,9 +19,9 @@ Real (4 GPUs, NCCL; the train app's packed path on the bundled corpus):
     uv run torchrun --standalone --nproc-per-node 4 bench/dp_balance.py real
     uv run torchrun --standalone --nproc-per-node 4 bench/dp_balance.py real --steps 40 -- train.micro_batch_size=8
 
-  Trains the same job ``--rounds`` times with data.balance.enabled=false and as often with true,
-  alternating (off, on, on, off, ...; same seed, same samples), and prints the median, mean and
-  total step time after ``--skip`` warm-up steps, the rank imbalance the balancer predicted,
+  Trains the same job ``--rounds`` times with parallel.balance.enabled=false and as often with
+  true, alternating (off, on, on, off, ...; same seed, same samples), and prints the median, mean
+  and total step time after ``--skip`` warm-up steps, the rank imbalance the balancer predicted,
   tokens/s (total tokens / total time) and each run's final loss. Arguments after ``--`` are
   train-app overrides. Defaults: qwen3-0.6b (vocab cut to the bundled 8K tokenizer), packs of
   8192 tokens, 16 samples per rank, median sample 512 tokens, 5% of samples 8192 long. Target of
@@ -133,32 +133,28 @@ def real(args: argparse.Namespace, overrides: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
     import loong_train
-    import loong_train.loop as loop
-    from loong_parallel import shutdown
-    from loong_train.main import _quiet_third_party, _setup_logging, to_config
+    from loong_parallel import init_distributed, shutdown
+    from loong_train.main import _setup_logging, to_config
+    from loong_train.trainer import Trainer
+    from loong_xpu import get_accelerator
+    from loong_xpu.log import quiet_megatron
 
-    def keep_process_group() -> None:
-        # Both runs share the launch's process group: re-creating it after a teardown hangs in
-        # the env:// rendezvous, so between runs only megatron's model-parallel groups go.
-        from megatron.core import parallel_state as mpu
-
-        mpu.destroy_model_parallel()
-
-    loop.shutdown = keep_process_group
-
-    _quiet_third_party()
+    quiet_megatron()
     _setup_logging()
     base = REAL_DEFAULTS + (TINY if args.tiny else []) + [f"train.steps={args.steps}"]
     config_dir = str(Path(loong_train.__file__).parent / "configs")
     is_main = int(os.environ.get("RANK", 0)) == 0
+    # Both runs share the launch's process group (a trainer closes only the groups it created):
+    # re-creating it after a teardown hangs in the env:// rendezvous.
+    init_distributed(get_accelerator())
     runs: dict[str, list[list[dict]]] = {"naive": [], "balanced": []}
     for i, balanced in enumerate(run_order(args.rounds)):
         name = "balanced" if balanced else "naive"
-        run_overrides = [*base, f"data.balance.enabled={str(balanced).lower()}",
+        run_overrides = [*base, f"parallel.balance.enabled={str(balanced).lower()}",
                          f"train.output_dir={args.out}/{name}-{i}", *overrides]
         with initialize_config_dir(config_dir=config_dir, version_base=None):
             cfg = to_config(compose(config_name="config", overrides=run_overrides))
-        summary = loop.run(cfg)
+        summary = Trainer(cfg).fit()
         if is_main:
             runs[name].append(_step_rows(summary.metrics_file, args.skip))
     shutdown()

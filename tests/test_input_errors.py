@@ -76,8 +76,8 @@ def test_init_from_an_hf_dir_fine_tunes_or_fails_in_one_line(run_train, tmp_path
 
 def test_a_skipped_bad_image_names_the_users_jsonl_file_and_line(tmp_path, caplog):
     from loong_data import default_multimodal_dataset
-    from loong_train.multimodal import convert_sources
-    from loong_train.schema import DataConfig
+    from loong_data.step_data import MultimodalDataConfig
+    from loong_data.step_data.shards import convert_sources
 
     bundled = default_multimodal_dataset()
     (tmp_path / "broken.png").write_bytes(b"\x89PNG but not really")
@@ -87,10 +87,8 @@ def test_a_skipped_bad_image_names_the_users_jsonl_file_and_line(tmp_path, caplo
     bad["messages"][0]["content"][0]["image"] = "broken.png"
     user = tmp_path / "mine.jsonl"
     user.write_text("\n".join(json.dumps(r) for r in (good, good, bad)) + "\n", encoding="utf-8")
-    cfg = DataConfig(kind="multimodal", cache_dir=str(tmp_path / "cache"))
-    cfg.multimodal.jsonl = [str(user)]
     with caplog.at_level(logging.WARNING):
-        out = convert_sources(cfg, seed=0)
+        out = convert_sources(MultimodalDataConfig(jsonl=[str(user)]), tmp_path / "cache", seed=0)
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert skipped and all(f"{user}:3: " in m for m in skipped), skipped
     assert "broken.png" in skipped[0]

@@ -1,27 +1,16 @@
-"""`train` entry point: compose the Hydra config, validate it, run the loop, say where things are."""
+"""`train` entry point: compose the Hydra config, run ``Trainer(cfg).fit()``, say where things are."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-import warnings
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-def _quiet_third_party() -> None:
-    # megatron-core warns at import about optional packages (apex, TE) that the layer-spec choice
-    # already accounts for, and GPTModel's deprecation is a known, documented choice (loong-models).
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=SyntaxWarning, message=r"invalid escape sequence")
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine) (is|are) not installed")
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
-    # Loong saves synchronously; megatron routes that through its (deprecated) async path.
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)
+from loong_xpu.log import quiet_megatron
 
 
 def _setup_logging() -> None:
@@ -48,10 +37,10 @@ def _hydra_main(raw: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from loong_ckpt import ConversionError
-    from loong_data import DataError
-    from loong_train.loop import run
+    from loong_data.step_data import DataError
     from loong_train.recipe import apply_finetune_recipe
     from loong_train.schema import ConfigError
+    from loong_train.trainer import Trainer
 
     hydra_cfg = HydraConfig.get()
     recipe = apply_finetune_recipe(raw, hydra_cfg.runtime.choices.get("phase"), list(hydra_cfg.overrides.task))
@@ -62,10 +51,10 @@ def _hydra_main(raw: DictConfig) -> None:
     except OmegaConfBaseException as e:
         sys.exit(f"config error: {e}".splitlines()[0] + _detail(e))
     try:
-        summary = run(cfg)
-    except ConfigError as e:
+        summary = Trainer(cfg).fit()
+    except (ConfigError, DataError) as e:
         sys.exit(f"config error: {e}")
-    except (DataError, ConversionError, FileNotFoundError) as e:  # bad input: the message names it
+    except (ConversionError, FileNotFoundError) as e:  # bad input: the message names the file
         sys.exit(f"error: {e}")
     if int(os.environ.get("RANK", 0)) == 0:
         print(_report(summary), flush=True)
@@ -95,7 +84,7 @@ def _report(s) -> str:
 
 
 def main() -> None:
-    _quiet_third_party()
+    quiet_megatron()
     from loong_train.overrides import check_overrides
     from loong_train.schema import Config
 
