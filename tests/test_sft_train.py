@@ -7,7 +7,6 @@ SFT = ["phase=sft", "model.foundation.vocab_size=8320", "data.seq_length=64", "t
        "optim.lr=3e-3", "train.save_final=false"]  # fmt: skip
 
 
-@pytest.mark.slow
 def test_sft_on_bundled_chat_learns_the_answers(run_train):
     run = run_train([*SFT, "train.steps=12", "train.eval_interval=0"], name="sft").check()
     losses = run.losses()
@@ -17,7 +16,6 @@ def test_sft_on_bundled_chat_learns_the_answers(run_train):
     assert run.records("val")  # held-out conversations are evaluated
 
 
-@pytest.mark.slow
 def test_chat_data_config_errors(run_train):
     thd = run_train([*SFT, "train.steps=1", "data.packing=thd"], name="thd")
     assert (
