@@ -1,7 +1,6 @@
 """SFT through the real train app: chat conversations, loss on the assistant's tokens only (the
-mask itself: packages/loong-data/tests/test_chat_text.py). Slow: ~1 min of CPU."""
+mask itself: packages/loong-data/tests/test_chat_text.py). ~1 min of CPU."""
 
-import pytest
 
 SFT = ["phase=sft", "model.foundation.vocab_size=8320", "data.seq_length=64", "train.eval_iters=1",
        "optim.lr=3e-3", "train.save_final=false"]  # fmt: skip
