@@ -33,7 +33,7 @@ def _bad_inputs(root: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
         "binary source": ([f"data.sources=[{binary}]"], (f"{binary}: not UTF-8 text (byte 0x80 at offset 14)",)),
         "short corpus": (
             [f"data.sources=[{short}]", "data.val_fraction=0.5"],
-            (f"{short}: the train split has", "one sample of seq_len 64 needs 65"),
+            (f"{short}: the ", " split has ", "one sample of seq_length 64 needs 65"),
         ),
         "malformed chat line": (
             ["phase=sft", f"data.sources=[{chat}]", "data.tokenizer=null"],
