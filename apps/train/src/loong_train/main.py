@@ -84,6 +84,8 @@ def _report(s) -> str:
 
 
 def main() -> None:
+    from loong_train.megatron_args import hydra_argv
+
     quiet_megatron()
     from loong_train.overrides import check_overrides
     from loong_train.schema import Config
@@ -91,6 +93,7 @@ def main() -> None:
     if (message := check_overrides(sys.argv[1:], Config)) is not None:
         sys.exit(f"config error: {message}")
     _setup_logging()
+    sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]  # `train --megatron -- <flags>`: megatron_args.py
     _hydra_main()
 
 

@@ -69,14 +69,13 @@ class StepWindow:
         self.flops = 0.0
         self.step_time = 0.0
         self.has_media = False
-        self.digest: int | None = None  # of the window's last step
 
     def add(self, counts: StepCounts, flops: float, *, step_time: float) -> None:
         self.steps += 1
+        self.last = counts
         self.tokens += counts.tokens
         self.flops += flops
         self.step_time = step_time
-        self.digest = counts.digest
         if counts.images is not None:
             self.has_media = True
             self.images += counts.images
@@ -91,9 +90,9 @@ class StepWindow:
             "skipped": result.skipped, "tokens": self.tokens,  # in the window: the step when log_interval=1
         }  # fmt: skip
         if self.has_media:
-            record.update(images_per_s=self.images / elapsed, images=self.images)
-        if self.digest is not None:
-            record["data_digest"] = self.digest
+            record["images_per_s"] = self.images / elapsed  # + the last step's data (benches compare stacks):
+            record.update(step_tokens=self.last.tokens, step_images=self.last.images, step_samples=self.last.samples,
+                          step_digest=self.last.digest)
         if peak_flops:
             record["mfu"] = self.flops / elapsed / world_size / peak_flops
         return record, {"loss": f"{result.loss:.4f}", "tok_s": f"{tps:,.0f}"}

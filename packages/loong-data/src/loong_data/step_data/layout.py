@@ -32,6 +32,7 @@ class StepCounts:
     tokens: int
     images: int | None = None
     patches: int = 0
+    samples: int | None = None  # conversations (data kinds that count them)
     digest: int | None = None  # batch_digest of the step's micro-batches (summed over ranks, mod 2**32)
 
 
