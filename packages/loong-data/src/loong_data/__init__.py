@@ -28,6 +28,7 @@ from loong_data.bundled import (
 )
 from loong_data.collate import collate
 from loong_data.documents import DocumentDataset
+from loong_data.errors import DataError
 from loong_data.lengths import LogNormalLengths
 from loong_data.packed import PackedTextDataset
 from loong_data.packed_collate import collate_packed, padded_length
@@ -49,6 +50,7 @@ __all__ = [
     "EOD_TOKEN",
     "PAD_TOKEN",
     "STRATEGIES",
+    "DataError",
     "DistributedBatchSampler",
     "DocumentDataset",
     "FirstFitDecreasing",
