@@ -22,6 +22,8 @@ class StepLayout:
     seed: int = 0
     dp_group: Any = None  # for the collectives of some data kinds (counts, rebalancing)
     device: torch.device | None = None  # where those collectives run
+    # Packed documents are padded to a multiple of this (context parallelism cuts each into 2 x cp chunks).
+    segment_multiple: int = 1
 
 
 @dataclass(frozen=True)
