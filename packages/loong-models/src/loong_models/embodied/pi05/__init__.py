@@ -3,7 +3,5 @@
 from loong_models.embodied.pi05.config import GemmaConfig, Pi05Config, SiglipConfig
 from loong_models.embodied.pi05.flow import euler_sample, noisy_actions, sample_time, time_embedding
 from loong_models.embodied.pi05.model import Pi05Policy, attention_mask
-from loong_models.embodied.pi05.prompt import discretise_state, state_prompt
 
-__all__ = ["GemmaConfig", "Pi05Config", "Pi05Policy", "SiglipConfig", "attention_mask", "discretise_state",
-           "euler_sample", "noisy_actions", "sample_time", "state_prompt", "time_embedding"]  # fmt: skip
+__all__ = ["GemmaConfig", "Pi05Config", "Pi05Policy", "SiglipConfig", "attention_mask",            "euler_sample", "noisy_actions", "sample_time",  "time_embedding"]  # fmt: skip
