@@ -6,7 +6,8 @@ import signal
 import subprocess
 import time
 
-from train_helpers import TINY, env_for_train, train_command
+from loong_train.testing import TINY, train_command
+from loong_xpu.testing import launch_env
 
 STEPS = 24
 COMMON = [f"train.steps={STEPS}", "train.save_interval=4", "train.eval_interval=0", "train.keep_last=10"]
@@ -17,7 +18,7 @@ def test_killed_run_resumes_on_the_same_loss_curve(run_train, tmp_path, data_cac
 
     out = tmp_path / "killed"
     args = [*TINY, f"data.cache_dir={data_cache}", f"train.output_dir={out}", *COMMON]
-    proc = subprocess.Popen(train_command(args), cwd=tmp_path, env=env_for_train(),
+    proc = subprocess.Popen(train_command(args), cwd=tmp_path, env=launch_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     latest = out / "checkpoints" / "latest"
     deadline = time.time() + 300

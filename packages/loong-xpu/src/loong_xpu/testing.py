@@ -6,6 +6,7 @@ Use from a conftest.py: ``from loong_xpu.testing import megatron_cpu``.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Iterator
 
@@ -15,6 +16,15 @@ import torch.distributed as dist
 from loong_xpu.accelerator import Accelerator
 from loong_xpu.patches import redirect_cuda
 from loong_xpu.registry import get_accelerator
+
+
+def launch_env(device: str = "cpu") -> dict[str, str]:
+    """``os.environ`` for a process a test starts (alone or under torchrun): the device, unbuffered
+    output, one thread per process, and none of the caller's rank variables."""
+    env = dict(os.environ, LOONG_DEVICE=device, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
 
 
 def _free_port() -> int:
