@@ -129,3 +129,75 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f)))
     return state
+
+
+# --- files: LeRobot safetensors <-> Loong (megatron) checkpoints, offline and in a run ----------
+
+
+def config_from_meta(meta: dict) -> Pi05Config:
+    from omegaconf import OmegaConf
+
+    if "embodied" not in meta:
+        raise ValueError("the checkpoint's loong.json records no 'embodied' model: not a Pi0.5 checkpoint")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Pi05Config), meta["embodied"]))
+
+
+def read_checkpoint_weights(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], Pi05Config]:
+    """A Loong Pi0.5 checkpoint's weights (whole tensors, fp32 as stored) and config, read without
+    process groups (safe on one rank of a running job)."""
+    from loong_ckpt.mcore_io import read_metadata, read_regions
+    from loong_ckpt.training import read_checkpoint_info
+
+    info = read_checkpoint_info(checkpoint)
+    cfg = config_from_meta(info.meta)
+    stored = read_metadata(info.path)
+    names = [loong for loong, _ in _expand(cfg)]
+    missing = [n for n in names if n not in stored]
+    if missing:
+        raise KeyError(f"{info.path}: no tensor {missing[0]!r} for the recorded Pi0.5 config")
+    regions = {n: ((0,) * len(stored[n].size), torch.empty(tuple(stored[n].size), dtype=stored[n].properties.dtype))
+               for n in names}  # fmt: skip
+    read_regions(info.path, regions)
+    return {n: buf for n, (_, buf) in regions.items()}, cfg
+
+
+def mcore_to_lerobot(checkpoint: str | Path, out: str | Path, *, prefix: str = LEROBOT_PREFIX) -> Path:
+    """Write ``out/model.safetensors`` (LeRobot names; ``prefix=""``: OpenPI's) and ``out/config.json``
+    (the Loong Pi0.5 config) from a Loong checkpoint."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    state, cfg = read_checkpoint_weights(checkpoint)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in to_lerobot(state, cfg, prefix).items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"type": "pi05", "loong": dataclasses.asdict(cfg)}, indent=2))
+    return out
+
+
+def load_lerobot_weights(path: str | Path, chunks: list[torch.nn.Module], cfg: Pi05Config) -> None:
+    """Online import: a LeRobot / OpenPI checkpoint's weights into the (DDP-wrapped) policy chunks."""
+    state = from_lerobot(read_safetensors(path), cfg, source=str(path))
+    for chunk in chunks:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        with torch.no_grad():
+            for name, t in chunk.state_dict().items():
+                t.copy_(state[name])
+
+
+def lerobot_to_mcore(src: str | Path, out_root: str | Path, cfg: Pi05Config) -> Path:
+    """Offline: a LeRobot / OpenPI checkpoint -> a Loong checkpoint (``out_root/step_00000000``)
+    that ``train.init_from`` takes."""
+    import dataclasses
+
+    from loong_ckpt.mcore_io import _single_process_megatron
+    from loong_ckpt.training import save_checkpoint
+    from loong_models.embodied import Pi05Policy
+
+    policy = Pi05Policy(cfg)
+    load_lerobot_weights(src, [policy], cfg)
+    with _single_process_megatron():
+        return save_checkpoint(out_root, 0, [policy], extra={"embodied": dataclasses.asdict(cfg)})

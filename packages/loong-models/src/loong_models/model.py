@@ -107,8 +107,9 @@ class ModelConfig:
                 if mine is not None and mine != theirs:
                     raise ValueError(f"model.{key}={mine} but the tokenizer ({source}) has id {theirs} for "
                                      f"that token; set model.{key}={theirs}")  # fmt: skip
-        if vocab_size > self.foundation.vocab_size:
-            raise ValueError(f"model.foundation.vocab_size={self.foundation.vocab_size} is smaller than the "
+        key, size = ("embodied", self.embodied.vocab_size) if self.embodied else ("foundation", self.foundation.vocab_size)
+        if vocab_size > size:
+            raise ValueError(f"model.{key}.vocab_size={size} is smaller than the "
                              f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
 
     def flops_per_patch(self) -> float:

@@ -108,17 +108,46 @@ class Pi05Policy(nn.Module):
         v = self.velocity(batch, noisy_actions(actions, noise, time), time)
         return F.mse_loss(v, velocity_target(actions, noise), reduction="none")
 
-    def forward(
+    def draw_noise_and_time(
         self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None
-    ) -> torch.Tensor:
-        """The training loss: mean over the batch, the chunk and the real action dims
-        (``batch["action_dim_mask"]`` [max_action_dim], all dims when absent)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flow's noise and time per sample. With ``batch["sample_ids"]`` each sample draws from
+        its own generator seeded by its id, so a sample's draw does not depend on which rank or
+        micro-batch holds it (DP=N reproduces DP=1); otherwise from ``generator`` (or the global RNG)."""
         actions = batch["actions"]
-        noise = torch.randn(actions.shape, generator=generator, dtype=torch.float32).to(actions.device)
-        time = sample_time(self.cfg, actions.shape[0], generator).to(actions.device)
-        losses = self.flow_loss(batch, noise, time)
+        shape = actions.shape[1:]
+        ids = batch.get("sample_ids")
+        if ids is None:
+            noise = torch.randn(actions.shape, generator=generator)
+            return noise.to(actions.device), sample_time(self.cfg, actions.shape[0], generator).to(actions.device)
+        gens = [torch.Generator().manual_seed(int(i)) for i in ids.tolist()]
+        noise = torch.stack([torch.randn(shape, generator=g) for g in gens])
+        time = torch.cat([sample_time(self.cfg, 1, g) for g in gens])
+        return noise.to(actions.device), time.to(actions.device)
+
+    def forward(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None,
+                reduction: str = "mean") -> torch.Tensor | tuple[torch.Tensor, int]:  # fmt: skip
+        """The training loss over the batch, the chunk and the real action dims
+        (``batch["action_dim_mask"]`` [max_action_dim], all dims when absent): the mean, or with
+        ``reduction="sum"`` the sum and the element count (data-parallel means weigh ranks by it)."""
+        losses = self.flow_loss(batch, *self.draw_noise_and_time(batch, generator))
         dims = batch.get("action_dim_mask")
-        return losses.mean() if dims is None else losses[..., dims.bool()].mean()
+        losses = losses if dims is None else losses[..., dims.bool()]
+        if reduction == "sum":
+            return losses.sum(), losses.numel()
+        return losses.mean()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """megatron's checkpoint view: every tensor whole and replicated over data-parallel ranks
+        (the policy has no tensor or pipeline parallelism); DP rank 0 holds the main replica."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        dp = mpu.get_data_parallel_rank(with_context_parallel=True) if mpu.model_parallel_is_initialized() else 0
+        return {
+            prefix + name: ShardedTensor.from_rank_offsets(prefix + name, t, replica_id=(0, 0, dp))
+            for name, t in self.state_dict(keep_vars=True).items()
+        }
 
     # --- inference ---------------------------------------------------------------------------
     @torch.no_grad()
