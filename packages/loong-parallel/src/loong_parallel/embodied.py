@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from megatron.core.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_models import ModelConfig
@@ -56,7 +57,8 @@ class EmbodiedPolicy:
     def provider(self, config: TransformerConfig, parallel: ParallelConfig, *, device_type: str) -> ModelProvider:
         def build(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
             policy = Pi05Policy(self.cfg).to(config.params_dtype)
-            policy.config = config  # megatron's DDP and schedules read the model's config
+            policy.config = config  # megatron's DDP and schedules read the model's config and type
+            policy.model_type = ModelType.encoder_or_decoder
             return policy
 
         return build

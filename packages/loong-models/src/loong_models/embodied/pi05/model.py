@@ -137,6 +137,9 @@ class Pi05Policy(nn.Module):
             return losses.sum(), losses.numel()
         return losses.mean()
 
+    def set_input_tensor(self, tensor) -> None:
+        """megatron's pipeline hook; the policy is never cut into stages, so nothing arrives."""
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """megatron's checkpoint view: every tensor whole and replicated over data-parallel ranks
         (the policy has no tensor or pipeline parallelism); DP rank 0 holds the main replica."""
