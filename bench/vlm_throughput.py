@@ -18,9 +18,13 @@ the median over the steps after warm-up.
     python bench/vlm_throughput.py --text-layers 36 --steps 20 --warmup 5
     python bench/vlm_throughput.py --loong-extra model.layer_backend=local
 
-tokens/s counts LLM tokens (image tokens included, padding excluded). MFU = step FLOPs / step
-time / 989 TFLOP/s, step FLOPs = LLM (6 N + 6 L h s) per token (DESIGN.md) + vision tower
-(bench/vlm_flops.py: 6 N per patch + bidirectional attention over the frame or window).
+Before any figure, the script asserts that every run trained on the same data at every step: the
+same samples, tokens and images, each counted by the stack itself (Loong's metrics.jsonl, the HF
+worker's own batches), and the same digest of token ids and image grids (`batch_digest`).
+tokens/s counts each stack's own LLM tokens (image tokens included, padding excluded). MFU = step
+FLOPs / step time / 989 TFLOP/s, step FLOPs = LLM 6 N per token + attention 6 L h per pair of
+tokens of the same sample (DESIGN.md's 6 L h s with s each sample's real length, not the pack's)
++ vision tower (bench/vlm_flops.py: 6 N per patch + bidirectional attention over the frame or window).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_app import run_train_app  # noqa: E402
-from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops, step_counts  # noqa: E402
+from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops_packed, step_counts  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,9 +76,10 @@ class BenchShape:
     vision: VisionShape
     vision_heads: int
 
-    def step_flops(self, counts: StepCounts, seq: int) -> float:
+    def step_flops(self, counts: StepCounts) -> float:
         t = self.text
-        return llm_flops(t.num_parameters(), t.num_layers, t.hidden, seq, counts.tokens) + counts.vision_flops
+        llm = llm_flops_packed(t.num_parameters(), t.num_layers, t.hidden, counts.tokens, counts.token_pairs)
+        return llm + counts.vision_flops
 
 
 def bench_shape(model) -> BenchShape:
@@ -138,6 +143,62 @@ def hf_inputs(mb: dict, image_token_id: int, video_token_id: int) -> dict:
     for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
         if pixels in mb and mb[pixels].numel():  # packs without images / videos carry empty tensors
             out[pixels], out[grid] = mb[pixels], mb[grid]
+    return out
+
+
+def unpack(mb: dict, pad_id: int, image_token_id: int, video_token_id: int, merge: int) -> list[dict]:
+    """The samples of a packed micro-batch, each with its own images / videos (as an HF user's
+    dataset yields them): tokens by ``cu_seqlens`` (the padding tail dropped), pixel rows and
+    grids by the placeholder tokens each sample holds."""
+    cu = [int(x) for x in mb["cu_seqlens"].tolist()]
+    tokens = mb["tokens"][0]
+    media = {}
+    for kind, token_id, pixels, grid in (("image", image_token_id, "pixel_values", "image_grid_thw"),
+                                         ("video", video_token_id, "pixel_values_videos", "video_grid_thw")):  # fmt: skip
+        grids = mb[grid].tolist() if grid in mb else []
+        media[kind] = (token_id, pixels, grid, grids, [0, 0])  # next grid row, next pixel row
+    out = []
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        if not bool(mb["loss_mask"][0, lo:hi].any()) and bool((tokens[lo:hi] == pad_id).all()):
+            continue  # the padding tail
+        sample = {k: mb[k][0, lo:hi] for k in ("tokens", "labels", "loss_mask")}
+        for token_id, pixels, grid, grids, cursor in media.values():
+            want = int((tokens[lo:hi] == token_id).sum())
+            g0, p0 = cursor
+            while want > 0:
+                t, h, w = grids[cursor[0]]
+                want -= t * h * w // merge**2
+                cursor[0] += 1
+                cursor[1] += t * h * w
+            sample[grid] = mb[grid][g0 : cursor[0]]
+            sample[pixels] = mb[pixels][p0 : cursor[1]]
+        out.append(sample)
+    return out
+
+
+def hf_batch(samples: list[dict], pad_id: int, image_token_id: int, video_token_id: int) -> dict:
+    """Samples as one HF batch, the way an HF user batches them: right-padded to the longest
+    sample (+1: the slot where HF's shifted labels keep each sample's last target) with an
+    attention mask, labels -100 on padding and outside the loss mask (shifted as in
+    :func:`hf_inputs`), pixels of all samples concatenated in order."""
+    import torch
+
+    longest = max(int(s["tokens"].shape[0]) for s in samples) + 1
+    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = int(s["tokens"].shape[0])
+        ids[i, :n], mask[i, :n] = s["tokens"], 1
+        targets = torch.where(s["loss_mask"] > 0, s["labels"], torch.full_like(s["labels"], -100))
+        labels[i, 1 : n + 1] = targets
+    mm_types = (ids == image_token_id).int() + 2 * (ids == video_token_id).int()
+    out = {"input_ids": ids, "attention_mask": mask, "labels": labels, "mm_token_type_ids": mm_types}
+    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        parts = [s[pixels] for s in samples if pixels in s and s[pixels].numel()]
+        if parts:
+            out[pixels] = torch.cat(parts)
+            out[grid] = torch.cat([s[grid] for s in samples if grid in s and s[grid].numel()])
     return out
 
 
@@ -233,7 +294,7 @@ def compose(overrides: list[str]):
 # --- the two stacks ------------------------------------------------------------------------------
 
 
-def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float]:
+def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float, list[dict]]:
     cmd = [
         sys.executable, "-m", "loong_train", "--config-name=vlm", *overrides, f"train.steps={args.steps}",
         "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false", "train.progress=false",
@@ -242,7 +303,8 @@ def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float
     ]  # fmt: skip
     print("loong:", " ".join(cmd[2:]), flush=True)
     train = run_train_app(cmd, out, label="loong run")
-    return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train)
+    counts = [{k: r[f"step_{k}"] for k in SAME_DATA} for r in train]
+    return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train), counts
 
 
 def hf_worker(args) -> None:
@@ -251,6 +313,7 @@ def hf_worker(args) -> None:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from loong_data.step_data import batch_digest
     from loong_train.trainer import run_data, step_layout
 
     overrides = json.loads(args.overrides)
@@ -271,17 +334,27 @@ def hf_worker(args) -> None:
     )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times, counts = [], []
+    merge = cfg.model.image_encoder.spatial_merge_size
+
+    def hf_steps():  # an HF user's loader: the step's samples, batched and padded, prepared ahead
+        for mbs in batches:
+            samples = [s for mb in mbs for s in unpack(mb, data.tokenizer.pad_id, m.image_token_id,
+                                                         m.video_token_id, merge)]  # fmt: skip
+            hf = [hf_batch(samples[i : i + args.hf_batch_size], data.tokenizer.pad_id, m.image_token_id,
+                           m.video_token_id) for i in range(0, len(samples), args.hf_batch_size)]  # fmt: skip
+            yield mbs, samples, hf
+
+    steps = hf_steps()  # already prefetched by the train app's data path, like Loong's
     for _ in range(args.steps):
         sync()
         t0 = time.perf_counter()  # like the train app's step time: building the step's batches included
-        mbs = next(batches)
-        for mb in mbs:
-            inputs = {
-                k: v.to(device, non_blocking=True)
-                for k, v in hf_inputs(mb, m.image_token_id, m.video_token_id).items()
-            }
+        mbs, samples, hf = next(steps)
+        loss_tokens = sum(float(s["loss_mask"].sum()) for s in samples)
+        for batch in hf:
+            inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            weight = float((batch["labels"] != -100).sum()) / loss_tokens  # the step's per-token mean
             with torch.autocast(device, dtype=torch.bfloat16, enabled=args.hf_mode == "amp"):
-                loss = model(**inputs).loss / len(mbs)
+                loss = model(**inputs).loss * weight
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -290,8 +363,13 @@ def hf_worker(args) -> None:
         sync()
         times.append(time.perf_counter() - t0)
         c = step_counts(mbs, shape.vision, data.tokenizer.pad_id)
-        counts.append({"tokens": c.tokens, "images": c.images, "patches": c.patches, "vision_flops": c.vision_flops,
-                       "flops": shape.step_flops(c, cfg.data.seq_length)})  # fmt: skip
+        hf_tokens = sum(int(s["tokens"].shape[0]) for s in samples)
+        hf_images = sum(int(s["image_grid_thw"].shape[0]) for s in samples if "image_grid_thw" in s)
+        if (hf_tokens, hf_images) != (c.tokens, c.images):
+            raise SystemExit(f"HF batches hold {hf_tokens} tokens / {hf_images} images, the packs {c.tokens} / {c.images}")
+        # its own counts (of the samples it batched, checked against the packs above) and the packs' digest
+        counts.append({"tokens": hf_tokens, "images": hf_images, "patches": c.patches, "vision_flops": c.vision_flops,
+                       "samples": len(samples), "digest": batch_digest(mbs), "flops": shape.step_flops(c)})  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     print(json.dumps({"step_times": times, "counts": counts, "peak_gib": peak,
                       "params": sum(p.numel() for p in model.parameters())}))  # fmt: skip
@@ -299,7 +377,7 @@ def hf_worker(args) -> None:
 
 def run_hf(args, mode: str, overrides: list[str]) -> dict:
     cmd = [sys.executable, __file__, "--worker", "hf", "--hf-mode", mode, "--overrides", json.dumps(overrides),
-           f"--steps={args.steps}"]  # fmt: skip
+           f"--steps={args.steps}", f"--hf-batch-size={args.hf_batch_size}"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stderr[-6000:], file=sys.stderr)
@@ -307,25 +385,42 @@ def run_hf(args, mode: str, overrides: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+SAME_DATA = ("tokens", "images", "samples", "digest")  # per step, each stack's own count; must agree
+
+
 @dataclass
 class Row:
     name: str
     step_times: list[float]
     peak_gib: float
+    counts: list[dict]  # per step, counted by this stack itself (SAME_DATA)
+
+
+def check_same_data(rows: list[Row]) -> None:
+    """Every stack trained on the same samples, tokens and images at every step, or the comparison
+    means nothing: exit naming the first step and count where two differ."""
+    ref = rows[0]
+    for r in rows[1:]:
+        for step, (a, b) in enumerate(zip(ref.counts, r.counts, strict=False), 1):
+            for key in SAME_DATA:
+                if a[key] != b[key]:
+                    raise SystemExit(f"{ref.name!r} and {r.name!r} trained different data: step {step} {key} "
+                                     f"{a[key]} != {b[key]}")  # fmt: skip
+        if len(ref.counts) != len(r.counts):
+            raise SystemExit(f"{ref.name!r} ran {len(ref.counts)} steps, {r.name!r} {len(r.counts)}")
 
 
 def table(rows: list[Row], counts: list[dict], warmup: int) -> list[str]:
-    """tokens/s, images/s and MFU over the steps after warm-up (totals / total time: packs differ
-    in size from step to step), and the median step time."""
-    kept = counts[warmup:]
-    tokens = sum(c["tokens"] for c in kept)
-    images = sum(c["images"] for c in kept)
-    flops = sum(c["flops"] for c in kept)
+    """tokens/s and images/s of each stack from its own counts, MFU from the FLOPs of the (checked
+    identical) samples, over the steps after warm-up (totals / total time: packs differ in size
+    from step to step), and the median step time."""
+    flops = sum(c["flops"] for c in counts[warmup:])
     lines = [
         f"{'stack':<40} {'step s (med)':>12} {'tokens/s':>10} {'images/s':>9} {'MFU':>6} {'peak GiB':>9}"
     ]
     for r in rows:
         t = sum(r.step_times[warmup:])
+        tokens, images = (sum(c[k] for c in r.counts[warmup:]) for k in ("tokens", "images"))
         lines.append(f"{r.name:<40} {statistics.median(r.step_times[warmup:]):12.3f} {tokens / t:10,.0f} "
                      f"{images / t:9.1f} {flops / t / PEAK_BF16:6.3f} {r.peak_gib:9.1f}")  # fmt: skip
     return lines
@@ -354,6 +449,8 @@ def main() -> None:
         help="amp: fp32 weights + bf16 autocast (Loong's numerics); bf16: bf16 weights and optimizer",
     )
     p.add_argument("--model-overrides", nargs="*", default=[], help="model.* overrides for both stacks")
+    p.add_argument("--hf-batch-size", type=int, default=3,
+                   help="samples per HF micro-batch (padded to its longest sample, as an HF user batches)")
     p.add_argument("--skip-loong", action="store_true")
     p.add_argument("--loong-extra", nargs="*", default=[], help="extra overrides for the Loong run")
     p.add_argument("--worker", choices=["hf"], help=argparse.SUPPRESS)
@@ -372,12 +469,17 @@ def main() -> None:
         overrides = train_overrides(args, jsonl, work)
         rows = []
         if not args.skip_loong:  # first: it converts the data into the shared cache
-            times, peak = run_loong(args, overrides, work / "loong")
-            rows.append(Row("loong " + " ".join(args.loong_extra), times, peak))
+            times, peak, loong_counts = run_loong(args, overrides, work / "loong")
+            rows.append(Row("loong " + " ".join(args.loong_extra), times, peak, loong_counts))
         hf = {}
         for mode in args.hf_modes:
             hf = run_hf(args, mode, overrides)
-            rows.append(Row(f"hf transformers ({mode}, sdpa)", hf["step_times"], hf["peak_gib"]))
+            rows.append(Row(f"hf transformers ({mode}, sdpa, batches of {args.hf_batch_size})", hf["step_times"],
+                            hf["peak_gib"], [{k: c[k] for k in SAME_DATA} for c in hf["counts"]]))  # fmt: skip
+        check_same_data(rows)  # the same samples, tokens, images and digest, step by step
+        c = rows[-1].counts
+        print(f"same data in all {len(rows)} runs: {sum(x['samples'] for x in c)} samples, "
+              f"{sum(x['tokens'] for x in c):,} tokens, {sum(x['images'] for x in c)} images, equal digests")
     import torch
 
     cfg = compose(overrides)

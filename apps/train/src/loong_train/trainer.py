@@ -43,6 +43,7 @@ from loong_parallel import (
     shutdown,
     train_step,
 )
+from loong_train.capabilities import check_features
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, StepWindow, progress_bar
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
@@ -69,6 +70,7 @@ def step_layout(cfg: Config, *, num_microbatches: int, dp: DataParallel | None =
     t = cfg.train
     return StepLayout(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
                       num_microbatches=num_microbatches, eval_iters=t.eval_iters, seed=t.seed, device=device,
+                      segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
                       **(dict(dp_rank=dp.rank, dp_size=dp.size, dp_group=dp.group) if dp else {}))  # fmt: skip
 
 
@@ -101,6 +103,7 @@ class Trainer:
         """Devices and process groups, data, model chunks, optimizer, metrics."""
         cfg, t = self.cfg, self.cfg.train
         self.accel = get_accelerator(None if t.device == "auto" else t.device)
+        check_features(cfg, self.accel)  # capabilities.py: e.g. layer_backend=te on a backend without TE
         self._exit.enter_context(redirect_cuda(self.accel))
         owns_process_group = not dist.is_initialized()
         env = init_distributed(self.accel)

@@ -178,6 +178,8 @@ def model_to_hf(cfg: Any, dtype: torch.dtype, base: dict[str, Any] | None = None
     describes the same architecture, so HF -> Loong -> HF returns it unchanged."""
     from loong_ckpt.hf_config import to_hf_config
 
+    if base is not None:  # Loong writes unquantised weights (an FP8 source is dequantised on load)
+        base = {k: v for k, v in base.items() if k != "quantization_config"}
     if not is_composed(cfg):
         return to_hf_config(foundation_of(cfg), dtype, base)
     m = mapping_of(cfg)
@@ -307,7 +309,7 @@ def write_any_model_yaml(cfg: Any, configs_dir: Path, name: str) -> Path:
 
 def component_diff(a: Any, b: Any) -> str:
     """The architecture fields two model configs disagree on, as ``component.key: a (HF) != b``."""
-    from loong_ckpt.hf_config import ARCH_FIELDS
+    from loong_ckpt.hf_config import ARCH_FIELDS, same_value
 
     if is_composed(a) != is_composed(b):
         return f"image_encoder: {getattr(a, 'image_encoder', None)!r} (HF) != {getattr(b, 'image_encoder', None)!r}"
@@ -316,7 +318,7 @@ def component_diff(a: Any, b: Any) -> str:
     diffs += [
         f"foundation.{k}: {fa[k]!r} (HF) != {fb[k]!r}"
         for k in (*ARCH_FIELDS, "mrope_section")
-        if fa[k] != fb[k]
+        if not same_value(fa[k], fb[k])
     ]
     if is_composed(a):
         for comp in _COMPONENT_KEYS:
@@ -324,10 +326,10 @@ def component_diff(a: Any, b: Any) -> str:
             diffs += [
                 f"{comp}.{k}: {ca[k]!r} (HF) != {cb[k]!r}"
                 for k in ca
-                if k not in _RUNTIME_KNOBS and ca[k] != cb[k]
+                if k not in _RUNTIME_KNOBS and not same_value(ca[k], cb[k])
             ]
         ma, mb = dataclasses.asdict(a), dataclasses.asdict(b)
         skip = (*_COMPONENT_KEYS, "foundation", "layer_backend")
-        diffs += [f"{k}: {ma[k]!r} (HF) != {mb[k]!r}" for k in ma if k not in skip and ma[k] != mb[k]]
+        diffs += [f"{k}: {ma[k]!r} (HF) != {mb[k]!r}" for k in ma if k not in skip and not same_value(ma[k], mb[k])]
     return "; ".join(diffs) or "head_dim / KV groups differ"
 

@@ -95,11 +95,11 @@ def train_step(
             forward_only=False,
             **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
         )
+    lr = optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler then sets the next one)
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=1)
     loss, count = _global_loss(outputs, device)
-    lr = optimizer.param_groups[0]["lr"]
     return StepResult(loss, count, float(grad_norm) if grad_norm is not None else None, lr, not ok,
                       timing.get("compute_s"))
 

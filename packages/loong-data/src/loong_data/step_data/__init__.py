@@ -22,7 +22,7 @@ from loong_data.step_data.config import (
     Packing,
     ThdConfig,
 )
-from loong_data.step_data.layout import DataError, StepCounts, StepLayout
+from loong_data.step_data.layout import DataError, StepCounts, StepLayout, batch_digest
 from loong_data.step_data.multimodal import MultimodalStepData, PatchGeometry, load_multimodal_data
 from loong_data.step_data.text import Balancer, PackedDocuments, TextStepData, load_text_data, step_batches
 
@@ -86,6 +86,7 @@ __all__ = [
     "StepCounts",
     "StepData",
     "StepLayout",
+    "batch_digest",
     "TextStepData",
     "ThdConfig",
     "build_step_data",
