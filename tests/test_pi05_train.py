@@ -37,11 +37,15 @@ def test_pi05_learns_exports_lerobot_weights_and_dp2_matches_one_process(run_pi0
     assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in back)
 
     # online import: a run starting from the LeRobot files saves them unchanged at step 0
-    init = run_pi05(["train.steps=0", f"train.init_from={one.out_dir / 'hf' / 'step_00000016'}"], name="init").check()
+    init = run_pi05(
+        ["train.steps=0", f"train.init_from={one.out_dir / 'hf' / 'step_00000016'}"], name="init"
+    ).check()
     started, _ = read_checkpoint_weights(init.out_dir / "checkpoints" / "step_00000000")
     assert all(torch.equal(started[k], weights[k]) for k in weights)
     # offline import gives the same checkpoint tensors
-    offline, _ = read_checkpoint_weights(lerobot_to_mcore(one.out_dir / "hf" / "step_00000016", tmp_path / "off", cfg))
+    offline, _ = read_checkpoint_weights(
+        lerobot_to_mcore(one.out_dir / "hf" / "step_00000016", tmp_path / "off", cfg)
+    )
     assert all(torch.equal(offline[k], weights[k]) for k in weights)
 
     # DP=2 with the distributed optimizer: the same global batches and noise draws, the same losses

@@ -172,7 +172,9 @@ def mcore_to_lerobot(checkpoint: str | Path, out: str | Path, *, prefix: str = L
     state, cfg = read_checkpoint_weights(checkpoint)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in to_lerobot(state, cfg, prefix).items()}, str(out / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in to_lerobot(state, cfg, prefix).items()}, str(out / "model.safetensors")
+    )
     (out / "config.json").write_text(json.dumps({"type": "pi05", "loong": dataclasses.asdict(cfg)}, indent=2))
     return out
 

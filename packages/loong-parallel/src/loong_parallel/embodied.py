@@ -45,16 +45,22 @@ class EmbodiedPolicy:
     cfg: Pi05Config
     backend: str = "torch (plain nn.Module)"
 
-    def transformer_config(self, parallel: ParallelConfig, *, dtype: torch.dtype, device_type: str) -> TransformerConfig:
+    def transformer_config(
+        self, parallel: ParallelConfig, *, dtype: torch.dtype, device_type: str
+    ) -> TransformerConfig:
         """The config megatron's DDP, optimizer and schedules read (sizes for their bookkeeping
         only; the policy's layers are its own)."""
         if parallel.tp != 1 or parallel.pp != 1 or parallel.ep != 1 or parallel.vpp:
-            raise ValueError("an embodied policy is data-parallel only: set parallel.tp, pp and ep to 1, vpp to null")
+            raise ValueError(
+                "an embodied policy is data-parallel only: set parallel.tp, pp and ep to 1, vpp to null"
+            )
         v = self.cfg.vlm
         return TransformerConfig(num_layers=v.depth, hidden_size=v.width, num_attention_heads=v.num_heads,
                                  **runtime_transformer_fields(parallel, dtype=dtype, device_type=device_type))  # fmt: skip
 
-    def provider(self, config: TransformerConfig, parallel: ParallelConfig, *, device_type: str) -> ModelProvider:
+    def provider(
+        self, config: TransformerConfig, parallel: ParallelConfig, *, device_type: str
+    ) -> ModelProvider:
         def build(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
             policy = Pi05Policy(self.cfg).to(config.params_dtype)
             policy.config = config  # megatron's DDP and schedules read the model's config and type
@@ -73,7 +79,11 @@ class EmbodiedPolicy:
 
     def cost_shape(self) -> dict[str, int]:
         v = self.cfg.vlm
-        return dict(num_parameters=self.cfg.num_parameters(), num_layers=v.depth, attention_width=v.num_heads * v.head_dim)
+        return dict(
+            num_parameters=self.cfg.num_parameters(),
+            num_layers=v.depth,
+            attention_width=v.num_heads * v.head_dim,
+        )
 
     def step_stats(self, chunks, config, device) -> None:
         return None
@@ -88,4 +98,8 @@ def model_kind(cfg: ModelConfig, device_type: str):
     """The kind that trains ``cfg``: an embodied policy, else the zoo's language models."""
     from loong_parallel.kinds import LanguageModel
 
-    return EmbodiedPolicy(cfg.embodied) if cfg.embodied is not None else LanguageModel.from_config(cfg, device_type)
+    return (
+        EmbodiedPolicy(cfg.embodied)
+        if cfg.embodied is not None
+        else LanguageModel.from_config(cfg, device_type)
+    )

@@ -39,14 +39,18 @@ class LeRobotStepData:
 
     def train_steps(self, start_step: int = 0, balancer=None) -> Iterator[list[dict]]:
         if balancer is not None:
-            raise DataError("parallel.balance does not apply to data.kind=lerobot (every sample costs the same)")
+            raise DataError(
+                "parallel.balance does not apply to data.kind=lerobot (every sample costs the same)"
+            )
         lay = self.layout
         sampler = DistributedBatchSampler(len(self.train_frames), micro_batch_size=lay.micro_batch_size,
                                           num_microbatches=lay.num_microbatches, dp_rank=lay.dp_rank,
                                           dp_size=lay.dp_size, seed=lay.seed, start_step=start_step)  # fmt: skip
         per_rank = lay.micro_batch_size * lay.num_microbatches
         for step, micro in enumerate(sampler, start=start_step):
-            first = step * sampler.global_batch_size + lay.dp_rank * per_rank  # this rank's place in the stream
+            first = (
+                step * sampler.global_batch_size + lay.dp_rank * per_rank
+            )  # this rank's place in the stream
             ids = (lay.seed << 40) + first + np.arange(per_rank)
             yield [self._collate([int(self.train_frames[i]) for i in idx],
                                  ids[k * lay.micro_batch_size : (k + 1) * lay.micro_batch_size].tolist())
@@ -55,7 +59,9 @@ class LeRobotStepData:
     def eval_microbatches(self) -> list[dict]:
         """``eval_iters`` micro-batches of held-out frames, this rank's share, fixed noise ids."""
         lay, mbs = self.layout, self.layout.micro_batch_size
-        frames = self.val_frames[np.linspace(0, len(self.val_frames) - 1, lay.eval_iters * mbs * lay.dp_size).astype(int)]
+        frames = self.val_frames[
+            np.linspace(0, len(self.val_frames) - 1, lay.eval_iters * mbs * lay.dp_size).astype(int)
+        ]
         mine = frames.reshape(lay.dp_size, -1)[lay.dp_rank]
         base = (1 << 62) + lay.dp_rank * len(mine)
         return [self._collate(mine[k * mbs : (k + 1) * mbs].tolist(), list(range(base + k * mbs, base + (k + 1) * mbs)))
@@ -63,7 +69,9 @@ class LeRobotStepData:
 
     def counts(self, microbatches: list[dict], loss_tokens: int) -> StepCounts:
         """Tokens: the prompt tokens and action steps the policy processed; images: camera frames."""
-        tokens = sum(int(b["token_mask"].sum()) + b["actions"].shape[0] * b["actions"].shape[1] for b in microbatches)
+        tokens = sum(
+            int(b["token_mask"].sum()) + b["actions"].shape[0] * b["actions"].shape[1] for b in microbatches
+        )
         images = sum(int(b["image_masks"].sum()) for b in microbatches)
         totals = torch.tensor([tokens, images], device=self.layout.device)
         if self.layout.dp_group is not None and self.layout.dp_size > 1:

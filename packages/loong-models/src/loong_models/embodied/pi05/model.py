@@ -119,7 +119,9 @@ class Pi05Policy(nn.Module):
         ids = batch.get("sample_ids")
         if ids is None:
             noise = torch.randn(actions.shape, generator=generator)
-            return noise.to(actions.device), sample_time(self.cfg, actions.shape[0], generator).to(actions.device)
+            return noise.to(actions.device), sample_time(self.cfg, actions.shape[0], generator).to(
+                actions.device
+            )
         gens = [torch.Generator().manual_seed(int(i)) for i in ids.tolist()]
         noise = torch.stack([torch.randn(shape, generator=g) for g in gens])
         time = torch.cat([sample_time(self.cfg, 1, g) for g in gens])
@@ -140,13 +142,19 @@ class Pi05Policy(nn.Module):
     def set_input_tensor(self, tensor) -> None:
         """megatron's pipeline hook; the policy is never cut into stages, so nothing arrives."""
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """megatron's checkpoint view: every tensor whole and replicated over data-parallel ranks
         (the policy has no tensor or pipeline parallelism); DP rank 0 holds the main replica."""
         from megatron.core import parallel_state as mpu
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        dp = mpu.get_data_parallel_rank(with_context_parallel=True) if mpu.model_parallel_is_initialized() else 0
+        dp = (
+            mpu.get_data_parallel_rank(with_context_parallel=True)
+            if mpu.model_parallel_is_initialized()
+            else 0
+        )
         return {
             prefix + name: ShardedTensor.from_rank_offsets(prefix + name, t, replica_id=(0, 0, dp))
             for name, t in self.state_dict(keep_vars=True).items()
