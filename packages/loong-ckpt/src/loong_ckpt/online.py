@@ -134,7 +134,6 @@ def _foundation_diff(a: FoundationConfig, b: FoundationConfig) -> str:
 def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None) -> Path:
     """Collective: rank 0 writes an HF directory from a just-saved checkpoint; all ranks wait."""
     from loong_ckpt.convert import mcore_to_hf
-
     from loong_ckpt.training import read_checkpoint_info
 
     out = Path(out)
