@@ -242,6 +242,8 @@ def checkpoint_meta(cfg: Any) -> dict[str, Any]:
     """What loong.json records of the model: ``foundation`` (as for text models), plus the other
     components and the model-level fields of a composed model under ``model``."""
     meta: dict[str, Any] = {"foundation": dataclasses.asdict(foundation_of(cfg))}
+    if getattr(cfg, "embodied", None) is not None:  # a policy: its own config is the model
+        return {"embodied": dataclasses.asdict(cfg.embodied)}
     if is_composed(cfg):
         model = dataclasses.asdict(cfg)
         model.pop("foundation")

@@ -12,6 +12,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from omegaconf import OmegaConf
 
+from loong_models.embodied.pi05 import Pi05Config
 from loong_models.foundation import FoundationConfig, build_foundation
 from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
 from loong_models.image_projector import (
@@ -44,12 +45,21 @@ class ModelConfig:
     layer_backend: str = "auto"
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
+    # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,
+    # not a megatron GPTModel; the foundation and VLM fields are then unused.
+    embodied: Pi05Config | None = None
+
+    @property
+    def is_embodied(self) -> bool:
+        return self.embodied is not None
 
     @property
     def is_multimodal(self) -> bool:
         return self.image_encoder is not None
 
     def validate(self, prefix: str = "model") -> None:
+        if self.embodied is not None:
+            return self.embodied.validate(f"{prefix}.embodied")
         self.foundation.validate(f"{prefix}.foundation")
         if (self.image_encoder is None) != (self.image_projector is None):
             raise ValueError(f"{prefix}.image_encoder and {prefix}.image_projector must both be set (a VLM) "
@@ -75,6 +85,8 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Exact parameter count of what gets built (unpadded vocab), all components."""
+        if self.embodied is not None:
+            return self.embodied.num_parameters()
         n = self.foundation.num_parameters()
         if self.image_encoder is not None:
             e = self.image_encoder
@@ -95,8 +107,9 @@ class ModelConfig:
                 if mine is not None and mine != theirs:
                     raise ValueError(f"model.{key}={mine} but the tokenizer ({source}) has id {theirs} for "
                                      f"that token; set model.{key}={theirs}")  # fmt: skip
-        if vocab_size > self.foundation.vocab_size:
-            raise ValueError(f"model.foundation.vocab_size={self.foundation.vocab_size} is smaller than the "
+        key, size = ("embodied", self.embodied.vocab_size) if self.embodied else ("foundation", self.foundation.vocab_size)
+        if vocab_size > size:
+            raise ValueError(f"model.{key}.vocab_size={size} is smaller than the "
                              f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
 
     def flops_per_patch(self) -> float:

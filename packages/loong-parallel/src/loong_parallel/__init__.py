@@ -21,6 +21,7 @@ from loong_parallel.distributed import (
     initialize_model_parallel,
     shutdown,
 )
+from loong_parallel.embodied import EmbodiedPolicy, model_kind
 from loong_parallel.forward import lm_forward_step, masked_token_loss
 from loong_parallel.kinds import LanguageModel, ModelKind
 from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
@@ -38,7 +39,9 @@ __all__ = [
     "DPBalancer",
     "DataParallel",
     "DistEnv",
+    "EmbodiedPolicy",
     "LanguageModel",
+    "model_kind",
     "ModelKind",
     "ModelProvider",
     "OnlineCostFit",
