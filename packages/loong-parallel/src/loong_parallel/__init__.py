@@ -9,6 +9,7 @@ from loong_parallel.config import ParallelConfig
 from loong_parallel.distributed import DistEnv, init_distributed, initialize_model_parallel, shutdown
 from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
 from loong_parallel.moe import RouterStats
+from loong_parallel.nonfinite import NonFiniteError, NonFiniteGuard
 from loong_parallel.optimizer import OptimConfig, build_optimizer
 from loong_parallel.runtime import runtime_transformer_fields
 from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
@@ -19,6 +20,8 @@ __all__ = [
     "DPBalancer",
     "DistEnv",
     "ModelProvider",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "OnlineCostFit",
     "OptimConfig",
     "ParallelConfig",
