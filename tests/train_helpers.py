@@ -78,3 +78,16 @@ def make_runner(base: Path, data_cache: Path, defaults: list[str] = TINY):
         return Run(proc.returncode, proc.stdout, proc.stderr, out)
 
     return _run
+
+
+def live_session_processes(sid: int) -> list[int]:
+    """Processes of session ``sid`` that are still running (zombies, already dead, excluded)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive

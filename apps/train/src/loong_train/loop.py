@@ -15,12 +15,14 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from loong_ckpt.components import checkpoint_meta
 from loong_ckpt.online import export_hf, is_hf_dir, load_hf_weights
-from loong_ckpt.training import latest_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
+from loong_ckpt.run_dir import RUN_CONFIG_KEY
+from loong_ckpt.training import load_checkpoint, read_checkpoint_info, save_checkpoint
 from loong_models import build_model, build_transformer_config, fusion_fields, resolve_backend
 from loong_models.lora import LoraError
 from loong_models.packed_seq import packed_seq_params
 from loong_parallel import (
     LOSS_KEY,
+    NonFiniteGuard,
     RouterStats,
     build_model_chunks,
     build_optimizer,
@@ -41,6 +43,7 @@ from loong_train.multimodal import (
     step_counts,
     vision_flops_per_patch,
 )
+from loong_train.run_state import apply_schedule_choice, claim_output_dir, resume_point, run_config
 from loong_train.schema import Config, ConfigError, validate
 from loong_train.thd import build_balancer, schedule_shape
 from loong_xpu import Accelerator, get_accelerator, redirect_cuda
@@ -120,6 +123,8 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
     ckpt_root = out_dir / "checkpoints"
 
     initialize_model_parallel(cfg.parallel, world_size)
+    claim_output_dir(cfg, out_dir, is_main)  # before anything is loaded or written
+    resumed = resume_point(cfg, ckpt_root, is_main)
     model_parallel_cuda_manual_seed(t.seed)
     torch.manual_seed(t.seed)  # identical host RNG on every rank: CPU init is layout independent
 
@@ -163,9 +168,8 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         raise ConfigError("nothing to train: every parameter is frozen (model.<component>.freeze, model.lora)")
     optimizer, scheduler = build_optimizer(cfg.optim, cfg.parallel, chunks, dtype=dtype, total_steps=t.steps)
     start_step = 0
-    resumed = latest_checkpoint(ckpt_root) if cfg.resume else None
-    if cfg.resume and resumed is None and is_main:
-        logger.warning("resume=true but %s holds no complete checkpoint: starting from scratch", ckpt_root)
+    if resumed is not None:
+        apply_schedule_choice(cfg, scheduler)
     if lora is not None and resumed is not None:
         _check_lora_base(resumed, t.init_from)
     if t.init_from and (resumed is None or lora is not None):
@@ -173,7 +177,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         _load_weights(t.init_from, chunks, cfg.model, part="frozen" if lora is not None else "all", is_main=is_main)
     if resumed is not None:
         info, rng = load_checkpoint(
-            resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel)
+            resumed.path, chunks, optimizer, scheduler, rng_state_template=_rng_state(accel), verify=False
         )
         if rng is not None:
             _set_rng_state(accel, rng)
@@ -248,7 +252,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         return loss
 
     # The model config goes with the weights: loong-convert mcore-to-hf needs nothing else.
-    ckpt_extra = {"tokens_per_step": tokens_per_step, **checkpoint_meta(cfg.model)}
+    ckpt_extra = {"tokens_per_step": tokens_per_step, **checkpoint_meta(cfg.model), RUN_CONFIG_KEY: run_config(cfg)}
     if t.init_from and is_hf_dir(t.init_from):
         ckpt_extra["hf_config"] = json.loads((Path(t.init_from) / "config.json").read_text())
     if lora is not None:  # adapters only; loong-convert merges them into `base` on export
@@ -266,6 +270,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             checkpoint, out_dir / "hf" / f"step_{step:08d}", tokenizer=tok if tok.is_dir() else tok.parent
         )
 
+    nonfinite = NonFiniteGuard(t.nonfinite_limit)
     bar = progress_bar(t.steps, start_step, enabled=is_main and t.progress)
     window_t0, window_tokens, window_images, window_flops, window_steps = time.perf_counter(), 0, 0, 0.0, 0
     for step in range(start_step + 1, t.steps + 1):
@@ -289,14 +294,17 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
         if summary.first_loss is None:
             summary.first_loss = result.loss
         summary.last_loss = result.loss
-        if step % t.log_interval == 0 or step == t.steps:
+        log_now = step % t.log_interval == 0 or step == t.steps
+        if result.nonfinite and not log_now:  # every skipped step is on record
+            metrics.write({"step": step, "loss": result.loss, "skipped": True, "nonfinite": True})
+        if log_now:
             elapsed = time.perf_counter() - window_t0
             tps = window_tokens / elapsed
             summary.tokens_per_s = tps
             record = {
                 "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
                 "tokens_per_s": tps, "tokens_per_s_per_device": tps / world_size, "step_time_s": step_time,
-                "skipped": result.skipped,
+                "skipped": result.skipped, "nonfinite": result.nonfinite,
             }  # fmt: skip
             if balancer:
                 record.update(balancer.metrics())
@@ -319,6 +327,7 @@ def _train(cfg: Config, accel: Accelerator, is_main: bool, world_size: int) -> R
             bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tps:,.0f}", **postfix, refresh=False)
             window_t0, window_tokens, window_images, window_flops, window_steps = time.perf_counter(), 0, 0, 0.0, 0
         bar.update(1)
+        nonfinite.observe(step, result)  # raises after train.nonfinite_limit in a row
         if t.eval_interval and t.eval_iters and step % t.eval_interval == 0 and step != t.steps:
             evaluate(step)
         want_export = t.export_hf and t.export_hf_interval and step % t.export_hf_interval == 0

@@ -56,10 +56,20 @@ def _hydra_main(raw: DictConfig) -> None:
         summary = run(cfg)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
-    except FileNotFoundError as e:
+    except (FileNotFoundError, *_run_errors()) as e:
         sys.exit(f"error: {e}")
     if int(os.environ.get("RANK", 0)) == 0:
         print(_report(summary), flush=True)
+
+
+def _run_errors() -> tuple[type[Exception], ...]:
+    """Failures with a complete one-line message: a checkpoint that does not verify or asks to run
+    code, a run that keeps producing NaN / Inf."""
+    from loong_ckpt.integrity import IntegrityError
+    from loong_ckpt.safe_load import UnsafeCheckpointError
+    from loong_parallel import NonFiniteError
+
+    return IntegrityError, UnsafeCheckpointError, NonFiniteError
 
 
 def _detail(e: OmegaConfBaseException) -> str:

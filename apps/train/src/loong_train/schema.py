@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loong_ckpt.run_dir import SCHEDULE_CHOICES
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
 from loong_train.multimodal_config import MultimodalDataConfig, validate_multimodal
@@ -50,7 +51,12 @@ class TrainConfig:
     eval_iters: int = 4
     save_interval: int = 0  # 0 = save at the end only
     save_final: bool = True  # save a checkpoint when the run ends (benchmarks turn it off)
-    keep_last: int = 2  # complete checkpoints kept
+    keep_last: int = 2  # complete checkpoints kept (and always the newest one that verified)
+    overwrite: bool = False  # a fresh run may replace another run's output in output_dir
+    # resume=true with another train.steps / optim LR schedule: refuse, rescale (the schedule follows
+    # the current config from the checkpoint's step on) or keep (the checkpoint's schedule)
+    resume_schedule: str = "refuse"
+    nonfinite_limit: int = 5  # steps in a row with a NaN / Inf loss or gradient (each skipped) before the run stops
     init_from: str | None = None  # model weights (not optimizer) from a checkpoint or an HF directory
     export_hf: bool = False  # write HF weights (output_dir/hf/step_N) at the end ...
     export_hf_interval: int = 0  # ... and every N steps (0 = only at the end)
@@ -101,11 +107,13 @@ def validate(cfg: Config, world_size: int) -> int:
                           "(a Loong checkpoint or an HF directory)")  # fmt: skip
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps} must be >= 0 (0 saves the initial weights)")
+    if t.resume_schedule not in SCHEDULE_CHOICES:
+        raise ConfigError(f"train.resume_schedule={t.resume_schedule!r}; allowed: {', '.join(SCHEDULE_CHOICES)}")
     if t.export_hf_interval < 0:
         raise ConfigError(
             f"train.export_hf_interval={t.export_hf_interval} must be >= 0 (0 = at the end only)"
         )
-    for key in ("micro_batch_size", "global_batch_size", "log_interval"):
+    for key in ("micro_batch_size", "global_batch_size", "log_interval", "nonfinite_limit"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
     if cfg.data.seq_length < 2 or cfg.data.seq_length > f.max_position_embeddings:

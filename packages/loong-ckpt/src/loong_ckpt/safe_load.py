@@ -33,6 +33,8 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
     + [(f"{_DCP}.planner", n) for n in ("SavePlan", "TensorWriteData", "WriteItem", "WriteItemType")]
     + [(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
        ("collections", "OrderedDict")]
+    # StorageMeta.checkpoint_id: the path the checkpoint was saved to, when given as a Path
+    + [("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")]
 )  # fmt: skip
 
 

@@ -108,7 +108,7 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     return CheckpointInfo(path, step, meta)
 
 
-def _complete_dirs(root: Path) -> list[Path]:
+def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoint directories by name (not .partial / .corrupt), oldest first."""
     return sorted(d for d in root.glob("step_*") if _COMPLETE.fullmatch(d.name) and d.is_dir())
 
@@ -124,7 +124,7 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo | None:
             return read_checkpoint_info(candidate)
         except (FileNotFoundError, ValueError) as e:
             logger.warning("%s points at an unusable checkpoint (%s); scanning %s", latest, e, root)
-    for d in reversed(_complete_dirs(root)):
+    for d in reversed(complete_checkpoints(root)):
         if (d / META_FILE).is_file():
             try:
                 return read_checkpoint_info(d)
@@ -155,7 +155,7 @@ def newest_verified_checkpoint(root: str | Path) -> CheckpointInfo | None:
     :class:`IntegrityError` when it holds some but none verifies."""
     root = Path(root)
     failed = []
-    for d in reversed(_complete_dirs(root)):
+    for d in reversed(complete_checkpoints(root)):
         if not (d / META_FILE).is_file():
             continue  # not a checkpoint (never one of ours: a save names its directory last)
         try:
@@ -214,10 +214,41 @@ def _rng_object(state: Any):
 def _fork_writer_queue() -> None:
     """megatron's checkpoint writers report through a multiprocessing Manager queue that it
     creates once per process with the 'spawn' method, which re-imports torch in a fresh
-    interpreter (5-15 s on a small host). A forked manager is ready in milliseconds."""
+    interpreter (5-15 s on a small host). A forked manager is ready in milliseconds. The manager
+    is a process of its own: it is told to die with this one, or a trainer killed with SIGKILL
+    would leave it running (with its copy of the trainer's memory) forever."""
+    from multiprocessing import util
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async.get_write_results_queue(mp_mode="fork")
+    hook = _DieWithParent(os.getpid())
+    util.register_after_fork(hook, _DieWithParent.arm)  # runs in children that multiprocessing starts
+    try:
+        filesystem_async.get_write_results_queue(mp_mode="fork")
+    finally:
+        del hook  # the registry holds it weakly: later children are not touched
+
+
+class _DieWithParent:
+    """In a child process: have the kernel send SIGKILL when the parent exits (Linux prctl
+    PR_SET_PDEATHSIG; elsewhere nothing). The signal follows the parent *thread* that forked the
+    child, so children must be started from the thread that lives as long as the process."""
+
+    _PR_SET_PDEATHSIG = 1
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+
+    def arm(self) -> None:
+        import ctypes
+        import signal
+        import sys
+
+        if not sys.platform.startswith("linux"):
+            return
+        ctypes.CDLL(None, use_errno=True).prctl(self._PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != self.parent:  # the parent died before the signal was armed
+            os._exit(1)
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -318,7 +349,7 @@ def _hash_written(path: Path) -> dict[str, dict]:
 def retain(root: Path, keep_last: int, *, verified: Path) -> list[Path]:
     """Delete complete checkpoints older than the newest ``keep_last``, except ``verified`` (the
     newest one known to match its hashes), which is never deleted. Returns what was deleted."""
-    gone = [d for d in _complete_dirs(root)[:-keep_last] if d.resolve() != verified.resolve()]
+    gone = [d for d in complete_checkpoints(root)[:-keep_last] if d.resolve() != verified.resolve()]
     for old in gone:
         shutil.rmtree(old, ignore_errors=True)
     return gone

@@ -10,7 +10,7 @@ from loong_parallel.distributed import DistEnv, init_distributed, initialize_mod
 from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
 from loong_parallel.moe import RouterStats
 from loong_parallel.nonfinite import NonFiniteError, NonFiniteGuard
-from loong_parallel.optimizer import OptimConfig, build_optimizer
+from loong_parallel.optimizer import OptimConfig, build_optimizer, follow_config_schedule
 from loong_parallel.runtime import runtime_transformer_fields
 from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
 
@@ -31,6 +31,7 @@ __all__ = [
     "build_model_chunks",
     "build_optimizer",
     "eval_step",
+    "follow_config_schedule",
     "init_distributed",
     "initialize_model_parallel",
     "runtime_transformer_fields",

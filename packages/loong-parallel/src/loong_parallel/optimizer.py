@@ -78,3 +78,11 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def follow_config_schedule(scheduler: OptimizerParamScheduler) -> None:
+    """When a checkpoint is loaded into ``scheduler``, keep its own LR schedule settings (the
+    current config: total steps, LRs, warmup) instead of the checkpoint's; the step count still
+    comes from the checkpoint. megatron's default keeps the checkpoint's settings."""
+    scheduler.use_checkpoint_opt_param_scheduler = False
+    scheduler.override_opt_param_scheduler = True
