@@ -139,7 +139,7 @@ def real(args: argparse.Namespace, overrides: list[str]) -> int:
     for balanced in (False, True):
         name = "balanced" if balanced else "naive"
         run_overrides = [*base, f"data.balance.enabled={str(balanced).lower()}",
-                         f"train.output_dir={args.out}/{name}", *overrides]
+                         f"train.output_dir={args.out}/{name}", "train.overwrite=true", *overrides]  # a re-run replaces it
         with initialize_config_dir(config_dir=config_dir, version_base=None):
             cfg = to_config(compose(config_name="config", overrides=run_overrides))
         summary = loop.run(cfg)
