@@ -72,8 +72,17 @@ def _build_as_one_process(provider: ModelProvider, pp: int) -> torch.nn.Module:
     the host RNG stream runs as in one process: embedding, layer 1..L, output layer. Stages hold
     equal layer counts of one shape, so another stage's draws are this rank's layers' (built with
     its own layer offset) plus the embedding / output layer where ``pre`` / ``post`` say so.
-    Costs a transient host copy of the whole model; only used with host initialisation."""
-    rank, own = mpu.get_pipeline_model_parallel_rank(), None
+    Costs transient host copies of the model; only used with host initialisation.
+
+    Tied embeddings are the exception: megatron all-reduces the shared weight between the first
+    and last stage while building them, so building another rank's stage would add into it. Every
+    rank builds its own stage first (those reductions match), and keeps it if it ties."""
+    rank, start = mpu.get_pipeline_model_parallel_rank(), torch.get_rng_state()
+    own = provider(rank == 0, rank == pp - 1, None)
+    if any(getattr(m, "share_embeddings_and_output_weights", False) for m in own.modules()):
+        return own  # the same on every rank (one model config): layout-dependent init, as megatron's
+    del own
+    torch.set_rng_state(start)
     for stage in range(pp):
         module = provider(stage == 0, stage == pp - 1, None)
         if stage == rank:
