@@ -19,7 +19,7 @@ Real (4 GPUs, NCCL; the train app's packed path on the bundled corpus):
     uv run torchrun --standalone --nproc-per-node 4 bench/dp_balance.py real
     uv run torchrun --standalone --nproc-per-node 4 bench/dp_balance.py real --steps 40 -- train.micro_batch_size=8
 
-  Trains the same job twice in one launch, data.balance.enabled=false then true (same seed, same
+  Trains the same job twice in one launch, parallel.balance.enabled=false then true (same seed, same
   samples), and prints the median step time after ``--skip`` warm-up steps, the measured rank
   imbalance the balancer predicted, tokens/s and the final loss of each. Arguments after ``--`` are
   train-app overrides. Defaults: qwen3-0.6b (vocab cut to the bundled 8K tokenizer), packs of
@@ -117,32 +117,28 @@ def real(args: argparse.Namespace, overrides: list[str]) -> int:
     from hydra import compose, initialize_config_dir
 
     import loong_train
-    import loong_train.loop as loop
-    from loong_parallel import shutdown
-    from loong_train.main import _quiet_third_party, _setup_logging, to_config
+    from loong_parallel import init_distributed, shutdown
+    from loong_train.main import _setup_logging, to_config
+    from loong_train.trainer import Trainer
+    from loong_xpu import get_accelerator
+    from loong_xpu.log import quiet_megatron
 
-    def keep_process_group() -> None:
-        # Both runs share the launch's process group: re-creating it after a teardown hangs in
-        # the env:// rendezvous, so between runs only megatron's model-parallel groups go.
-        from megatron.core import parallel_state as mpu
-
-        mpu.destroy_model_parallel()
-
-    loop.shutdown = keep_process_group
-
-    _quiet_third_party()
+    quiet_megatron()
     _setup_logging()
     base = REAL_DEFAULTS + (TINY if args.tiny else []) + [f"train.steps={args.steps}"]
     config_dir = str(Path(loong_train.__file__).parent / "configs")
     is_main = int(os.environ.get("RANK", 0)) == 0
+    # Both runs share the launch's process group (a trainer closes only the groups it created):
+    # re-creating it after a teardown hangs in the env:// rendezvous.
+    init_distributed(get_accelerator())
     results = {}
     for balanced in (False, True):
         name = "balanced" if balanced else "naive"
-        run_overrides = [*base, f"data.balance.enabled={str(balanced).lower()}",
+        run_overrides = [*base, f"parallel.balance.enabled={str(balanced).lower()}",
                          f"train.output_dir={args.out}/{name}", "train.overwrite=true", *overrides]  # a re-run replaces it
         with initialize_config_dir(config_dir=config_dir, version_base=None):
             cfg = to_config(compose(config_name="config", overrides=run_overrides))
-        summary = loop.run(cfg)
+        summary = Trainer(cfg).fit()
         if is_main:
             results[name] = _step_stats(summary.metrics_file, args.skip)
     shutdown()

@@ -38,10 +38,6 @@ def foundation(model: str):
     return load_model_config(model).foundation
 
 
-def flops_per_token(f, seq: int) -> float:
-    return 6 * f.num_parameters() + 6 * f.num_layers * f.hidden_size * seq
-
-
 def run_loong(args, out: Path) -> tuple[list[float], float]:
     cmd = [
         sys.executable, "-m", "loong_train", f"model={args.model}", f"data.seq_length={args.seq}",
@@ -146,7 +142,7 @@ def main() -> None:
 
     f = foundation(args.model)
     tokens_per_step = args.mbs * args.seq
-    fpt = flops_per_token(f, args.seq)
+    fpt = f.flops_per_token(args.seq)  # the model's own count (loong-models)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_loong:

@@ -50,13 +50,9 @@ class Result:
     peak_gib: float
 
 
-def active_flops_per_token(f, seq: int) -> float:
-    """DESIGN.md's training FLOPs per token with N = active parameters."""
-    return 6 * f.num_active_parameters() + 6 * f.num_layers * f.hidden_size * seq
-
-
 def mfu(f, seq: int, tokens_per_s_per_gpu: float, peak: float = PEAK) -> float:
-    return active_flops_per_token(f, seq) * tokens_per_s_per_gpu / peak
+    """The model's own FLOP count (loong-models: N = active parameters) at this throughput."""
+    return f.flops_per_token(seq) * tokens_per_s_per_gpu / peak
 
 
 def foundation(args):

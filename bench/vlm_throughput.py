@@ -251,7 +251,7 @@ def hf_worker(args) -> None:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from loong_train.multimodal import load_multimodal_data
+    from loong_train.trainer import run_data, step_layout
 
     overrides = json.loads(args.overrides)
     cfg = compose(overrides)
@@ -259,8 +259,8 @@ def hf_worker(args) -> None:
     m = cfg.model
     ids = dict(image_token_id=m.image_token_id, video_token_id=m.video_token_id,
                vision_start_token_id=m.vision_start_token_id, vision_end_token_id=m.vision_end_token_id)  # fmt: skip
-    data = load_multimodal_data(cfg.data, cfg.model, is_main=True, seed=cfg.train.seed)
-    batches = data.train_steps(global_batch_size=cfg.train.global_batch_size, dp_rank=0, dp_size=1)
+    data = run_data(cfg, step_layout(cfg, num_microbatches=cfg.train.global_batch_size // cfg.train.micro_batch_size))
+    batches = data.train_steps()
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only to smoke-test this script
     dtype = torch.float32 if args.hf_mode == "amp" else torch.bfloat16

@@ -1,11 +1,12 @@
-"""Fixtures for the cross-package tests (helpers live in train_helpers.py)."""
+"""Fixtures for the cross-package tests (helpers live in loong_train.testing)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from train_helpers import make_runner
+
+from loong_train.testing import make_runner
 
 
 @pytest.fixture(scope="session")

@@ -13,30 +13,25 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 import loong_train
-import loong_train.loop as loop
-from loong_parallel import shutdown
+from loong_parallel import init_distributed, shutdown
 from loong_train.main import to_config
-
-
-def keep_process_group() -> None:
-    # Re-creating the process group after a teardown hangs in the env:// rendezvous; between the
-    # runs only megatron's model-parallel groups are destroyed.
-    from megatron.core import parallel_state as mpu
-
-    mpu.destroy_model_parallel()
+from loong_train.trainer import Trainer
+from loong_xpu import get_accelerator
 
 
 def main() -> None:
     out_json, overrides = Path(sys.argv[1]), sys.argv[2:]
-    loop.shutdown = keep_process_group
+    # The launch's process group outlives both runs (a trainer closes only the groups it created):
+    # re-creating it after a teardown hangs in the env:// rendezvous.
+    init_distributed(get_accelerator())
     config_dir = str(Path(loong_train.__file__).parent / "configs")
     metrics = {}
     for name in ("off", "on"):
-        run_overrides = [*overrides, f"data.balance.enabled={'true' if name == 'on' else 'false'}",
+        run_overrides = [*overrides, f"parallel.balance.enabled={'true' if name == 'on' else 'false'}",
                          f"train.output_dir={out_json.parent / name}"]
         with initialize_config_dir(config_dir=config_dir, version_base=None):
             cfg = to_config(compose(config_name="config", overrides=run_overrides))
-        metrics[name] = str(loop.run(cfg).metrics_file)
+        metrics[name] = str(Trainer(cfg).fit().metrics_file)
     shutdown()
     if int(os.environ["RANK"]) == 0:
         out_json.write_text(json.dumps(metrics))

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-from train_helpers import env_for_train
 
 from loong_ckpt.integrity import hash_files, listed_files
 from loong_ckpt.mcore_io import Chunk, read_metadata, read_regions, write_checkpoint
 from loong_ckpt.safe_load import read_dcp_metadata
 from loong_ckpt.training import META_FILE
+from loong_xpu.testing import launch_env
 
 STEPS = 6
 BASE = [f"train.steps={STEPS}", "train.save_interval=2", "train.eval_interval=0", "train.keep_last=10"]
@@ -109,7 +109,7 @@ def test_crafted_checkpoints_run_nothing_on_resume_init_from_or_conversion(base,
     (evil / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": Payload(marker)}))
     _rehash(evil)
     convert = subprocess.run([sys.executable, "-m", "loong_ckpt.cli", "mcore-to-hf", str(evil), str(tmp_path / "hf")],
-                             env=env_for_train(), capture_output=True, text=True, timeout=300)  # fmt: skip
+                             env=launch_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert convert.returncode == 2 and "refers to posix.mkdir" in convert.stderr, convert.stderr[-2000:]
     assert not marker.exists(), "code from a checkpoint ran"
 

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_helpers import TINY, env_for_train
+
+from loong_train.testing import TINY
+from loong_xpu.testing import launch_env
 
 TESTS = Path(__file__).parent
 STEPS = 4
@@ -19,7 +21,7 @@ REL_TOL = 1e-6
 def torchrun(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
            str(TESTS / script), *args]
-    return subprocess.run(cmd, cwd=cwd, env=env_for_train(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.dist
@@ -34,8 +36,8 @@ def test_balanced_loss_equals_unbalanced_loss(tmp_path, data_cache) -> None:
     overrides = [
         *TINY, f"data.cache_dir={data_cache}", "data.packing=thd", "data.seq_length=128",
         "data.thd.median_length=16", "data.thd.long_fraction=0.1", "train.global_batch_size=32",
-        f"train.steps={STEPS}", "train.eval_iters=0", "data.balance.min_imbalance=0.0",
-        "data.balance.refit_warmup_steps=1", "data.balance.refit_interval=1",
+        f"train.steps={STEPS}", "train.eval_iters=0", "parallel.balance.min_imbalance=0.0",
+        "parallel.balance.refit_warmup_steps=1", "parallel.balance.refit_interval=1",
     ]  # fmt: skip
     out = tmp_path / "runs.json"
     proc = torchrun("dp_balance_runs.py", str(out), *overrides, cwd=tmp_path)

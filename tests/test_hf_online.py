@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import make_hf_model  # packages/loong-ckpt/tests (root pytest pythonpath)
+
+from loong_ckpt.testing.hf_models import make_hf_model
 
 # Matches conftest.TINY's model shape; vocab covers the bundled 8k tokenizer.
 VOCAB = 8192

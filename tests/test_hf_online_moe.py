@@ -8,8 +8,9 @@ import json
 
 import pytest
 import torch
-from hf_models import make_hf_model  # packages/loong-ckpt/tests (root pytest pythonpath)
-from train_helpers import TINY, make_runner
+
+from loong_ckpt.testing.hf_models import make_hf_model
+from loong_train.testing import TINY, make_runner
 
 VOCAB = 8192  # covers the bundled 8k tokenizer
 

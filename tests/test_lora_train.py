@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import env_for_train
 
-from loong_xpu.testing import megatron_cpu  # noqa: F401  (fixture: a one-process megatron world)
+from loong_xpu.testing import (
+    launch_env,
+    megatron_cpu,  # noqa: F401  (fixture: a one-process megatron world)
+)
 
 LORA = ["phase=lora", "model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2", "train.eval_iters=0"]
 STEPS = 6
@@ -136,15 +138,14 @@ def test_merged_export_equals_the_model_with_adapters(base_and_lora, megatron_cp
 
 @pytest.mark.slow
 def test_lora_on_an_hf_base_exports_merged_weights(runner_factory, tmp_path_factory, megatron_cpu):  # noqa: F811
-    from hf_models import make_hf_model  # packages/loong-ckpt/tests (root pytest pythonpath)
-
     from loong_ckpt.online import load_hf_weights
+    from loong_ckpt.testing.hf_models import make_hf_model
 
     base = tmp_path_factory.mktemp("lora-hf")
     hf = make_hf_model(base / "tiny-qwen2", "qwen2", vocab=8192)  # Q/K/V biases, untied head
     # for its model YAML; in a subprocess: this one already holds a megatron world
     subprocess.run([sys.executable, "-m", "loong_ckpt.cli", "hf-to-mcore", str(hf), str(base / "conv"), "--no-progress"],
-                   check=True, env=env_for_train())  # fmt: skip
+                   check=True, env=launch_env())  # fmt: skip
     run = runner_factory(base)
     out = run([f"hydra.searchpath=[file://{base / 'conv'}/configs]", "model=tiny-qwen2", *LORA, "train.steps=3",
                f"train.init_from={hf}", "train.export_hf=true"], name="lora-hf").check()  # fmt: skip

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import time
 
-from train_helpers import TINY, env_for_train, live_session_processes, train_command
+from loong_train.testing import TINY, train_command
+from loong_xpu.testing import launch_env, live_session_processes
 
 STEPS = 24
 COMMON = [f"train.steps={STEPS}", "train.save_interval=4", "train.eval_interval=0", "train.keep_last=10"]
@@ -20,7 +21,7 @@ def test_killed_run_resumes_on_the_same_loss_curve(run_train, tmp_path, data_cac
     out = tmp_path / "killed"
     args = [*TINY, f"data.cache_dir={data_cache}", f"train.output_dir={out}", *COMMON]
     # its own session: every process it starts (megatron's checkpoint-writer manager) is findable
-    proc = subprocess.Popen(train_command(args), cwd=tmp_path, env=env_for_train(), start_new_session=True,
+    proc = subprocess.Popen(train_command(args), cwd=tmp_path, env=launch_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         latest = out / "checkpoints" / "latest"

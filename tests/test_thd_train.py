@@ -3,6 +3,7 @@ checked, and the default job is unchanged."""
 
 import pytest
 from hydra import compose, initialize_config_module
+from omegaconf.errors import ValidationError
 
 from loong_train.main import to_config
 from loong_train.schema import ConfigError, validate
@@ -15,21 +16,29 @@ def compose_config(*overrides: str):
 
 def test_default_job_keeps_fixed_packing_and_no_balancing() -> None:
     cfg = compose_config()
-    assert cfg.data.packing == "fixed" and not cfg.data.balance.enabled
+    assert cfg.data.packing == "fixed" and not cfg.parallel.balance.enabled
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["data.packing=bshd"], r"data.packing='bshd'; allowed: fixed, thd"),
-        (["data.packing=thd", "data.thd.strategy=best"], r"data.thd.strategy='best'; allowed: ffd, sequential"),
-        (["data.balance.enabled=true"], r"data.balance.enabled=true needs data.packing=thd"),
-        (["data.packing=thd", "data.balance.max_tokens_per_rank=8"], r"max_tokens_per_rank=8 must be null or >="),
+        (["parallel.balance.enabled=true"], r"parallel.balance.enabled=true needs data.packing=thd"),
+        (["data.packing=thd", "parallel.balance.max_tokens_per_rank=8"], r"max_tokens_per_rank=8 must be null or >="),
     ],
 )
 def test_packing_config_errors_name_the_key(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(compose_config(*overrides), world_size=1)
+
+
+@pytest.mark.parametrize(
+    "override, key, allowed",
+    [("data.packing=bshd", "data.packing", "fixed, thd"), ("data.thd.strategy=best", "data.thd.strategy", "ffd, sequential")],
+)
+def test_packing_choices_name_the_allowed_values(override, key, allowed) -> None:
+    with pytest.raises(ValidationError, match=rf"expected one of \[{allowed}\]") as e:
+        compose_config(override)
+    assert e.value.full_key == key
 
 
 def test_thd_training_runs_and_learns(run_train) -> None:

@@ -3,7 +3,8 @@ app on CPU: the loss falls, and a TP=2 + sequence-parallel run (2 processes, glo
 single-process losses from the same initial weights."""
 
 import pytest
-from train_helpers import TINY, make_runner
+
+from loong_train.testing import TINY, make_runner
 
 # model=deepseek-v32-tiny at sequence 128, so index_topk=64 really drops keys
 DSA = ["model=deepseek-v32-tiny", "data.seq_length=128"] + [

@@ -6,10 +6,10 @@ MoE config errors name the key."""
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from train_helpers import TINY, make_runner
 
 from loong_train.main import to_config
 from loong_train.schema import ConfigError, validate
+from loong_train.testing import TINY, make_runner
 
 # TINY's model sizes are replaced by the zoo's tiny MoE models (hidden 64, 2 layers, 8 experts)
 BASE = [o for o in TINY if not o.startswith("model.")] + ["train.eval_interval=0", "train.eval_iters=0"]

@@ -126,15 +126,16 @@ def test_bench_data_feeds_both_stacks_the_same_images(tmp_path):
 
     from vlm_throughput import compose, train_overrides, write_bench_data
 
-    from loong_train.multimodal import load_multimodal_data
+    from loong_train.trainer import run_data, step_layout
 
     jsonl = write_bench_data(tmp_path / "data", image_size=56, images_per_sample=3, num_samples=8)
     args = argparse.Namespace(model="tiny-vlm", text_layers=2, vision_layers=2, image_size=56, num_samples=8,
                               seq=256, samples_per_step=4, dtype="fp32", model_overrides=[])  # fmt: skip
     cfg = compose(train_overrides(args, jsonl, tmp_path))
     assert cfg.model.foundation.num_layers == 2 and cfg.data.multimodal.max_pixels == 56 * 56
-    data = load_multimodal_data(cfg.data, cfg.model, is_main=True, seed=0)
-    mbs = next(data.train_steps(global_batch_size=4, dp_rank=0, dp_size=1))
+    cfg.train.global_batch_size, cfg.train.seed = 4, 0
+    data = run_data(cfg, step_layout(cfg, num_microbatches=4))
+    mbs = next(data.train_steps())
     grids = torch.cat([mb["image_grid_thw"] for mb in mbs])
     assert grids.tolist() == [[1, 4, 4]] * 12  # 4 samples x 3 images, 56 px / patch 14
     image_tokens = sum(int((mb["tokens"] == cfg.model.image_token_id).sum()) for mb in mbs)

@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 import torch
-from train_helpers import make_runner
 
 from loong_ckpt.mcore_io import read_metadata, read_regions
+from loong_train.testing import make_runner
 
 # The job as configured, shortened; a constant LR makes a 3-step run the prefix of a 6-step run.
 VLM = ["--config-name=vlm", "train.tensorboard=false", "train.progress=false", "train.eval_iters=1"]
@@ -120,14 +120,14 @@ def text_only_tokenizer(tmp_path_factory):
     ],
 )
 def test_bad_multimodal_config_names_the_key(overrides, message, text_only_tokenizer, tmp_path):
-    from loong_train.multimodal import load_multimodal_data
+    from loong_data.step_data import DataError
     from loong_train.schema import ConfigError, validate
+    from loong_train.trainer import run_data, step_layout
 
     overrides = [o.replace("TEXT_TOKENIZER", str(text_only_tokenizer)) for o in overrides]
     cfg = _compose([*overrides, f"data.cache_dir={tmp_path}"])
-    with pytest.raises(ConfigError) as e:
-        validate(cfg, world_size=1)
-        load_multimodal_data(cfg.data, cfg.model, is_main=True, seed=0)
+    with pytest.raises((ConfigError, DataError)) as e:
+        run_data(cfg, step_layout(cfg, num_microbatches=validate(cfg, world_size=1)))
     assert message in str(e.value)
 
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_testlib import FAMILIES, MOE_FAMILIES, get_converted, logits_in_process, worker_env
 from safetensors.torch import load_file
+
+from loong_ckpt.testing import FAMILIES, MOE_FAMILIES, get_converted, logits_in_process
+from loong_xpu.testing import launch_env
 
 TOL = 1e-4
 
@@ -92,9 +94,8 @@ def test_generated_config_loads_in_transformers(converted, tmp_path):
 )
 def test_moe_variants_match_hf(family, variant, tmp_path):
     """Qwen3-MoE with a dense first layer (mlp_only_layers): offline and online logits equal HF's."""
-    from hf_models import hf_logits, make_hf_model
-
     from loong_ckpt import hf_to_mcore
+    from loong_ckpt.testing.hf_models import hf_logits, make_hf_model
 
     hf = make_hf_model(tmp_path / "hf", family, **variant)
     hf_to_mcore(hf, tmp_path / "ckpt", progress=False)
@@ -271,7 +272,7 @@ def test_cli_round_trip_with_layout(converted, tmp_path, capsys):
 
 def test_cli_entry_point():
     """The console script is installed and answers without importing megatron first."""
-    p = subprocess.run(["loong-convert", "--help"], capture_output=True, text=True, env=worker_env())
+    p = subprocess.run(["loong-convert", "--help"], capture_output=True, text=True, env=launch_env())
     assert p.returncode == 0 and "hf-to-mcore" in p.stdout and "mcore-to-hf" in p.stdout
 
 

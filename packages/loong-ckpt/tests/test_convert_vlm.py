@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_testlib import DictReader, get_converted_vlm, logits_in_process, run_workers
-from hf_models import VLM_TOKENS, hf_vlm_logits, make_hf_vlm
 from safetensors.torch import load_file, save_file
 
 from loong_ckpt import ConversionError, hf_to_mcore, mcore_to_hf
+from loong_ckpt.testing import DictReader, get_converted_vlm, logits_in_process, run_workers
+from loong_ckpt.testing.hf_models import VLM_TOKENS, hf_vlm_logits, make_hf_vlm
 
 TOL = 1e-4
 

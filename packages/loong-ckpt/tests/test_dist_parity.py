@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from ckpt_testlib import FAMILIES, MOE_FAMILIES, get_converted, run_workers
+
+from loong_ckpt.testing import FAMILIES, MOE_FAMILIES, get_converted, run_workers
 
 TOL = 1e-4
 

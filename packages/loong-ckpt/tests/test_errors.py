@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from ckpt_testlib import get_converted
 
 from loong_ckpt import ConversionError, hf_to_mcore, mcore_to_hf
+from loong_ckpt.testing import get_converted
 
 
 @pytest.fixture(scope="session")

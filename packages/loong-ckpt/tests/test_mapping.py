@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_testlib import DictReader
 
 from loong_ckpt.families import MAPPINGS, get_mapping
 from loong_ckpt.mapping import GATE_UP, QKV, Rule, Split
+from loong_ckpt.testing import DictReader
 from loong_models import FAMILIES, FoundationConfig
 
 CFG = FoundationConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8,

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_testlib import MOE_FAMILIES, get_converted
-from parity_worker import loong_logits
+
+from loong_ckpt.testing import MOE_FAMILIES, get_converted
+from loong_ckpt.testing.parity_worker import loong_logits
 
 pytestmark = [
     pytest.mark.gpu,

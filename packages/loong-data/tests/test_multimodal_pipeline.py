@@ -44,7 +44,7 @@ def chat() -> ChatTokenizer:
 
 def _dataset(shards, chat, **kwargs) -> PackedMultimodalDataset:
     return PackedMultimodalDataset(
-        shards, chat, **{"seq_len": SEQ_LEN, "processor": CONFIG, "seed": 0, **kwargs}
+        shards, chat, **{"seq_length": SEQ_LEN, "processor": CONFIG, "seed": 0, **kwargs}
     )
 
 
@@ -201,17 +201,17 @@ def _long_raw(shards: Path) -> dict:
 
 def test_overflow_policies(shards: Path, chat: ChatTokenizer) -> None:
     raw = _long_raw(shards)
-    full = encode_sample(raw, chat, CONFIG, seq_len=SEQ_LEN)
+    full = encode_sample(raw, chat, CONFIG, seq_length=SEQ_LEN)
     assert len(full.media) == 4 and len(full) < SEQ_LEN  # 4 digits of 4x4 patches: 4 tokens each
     starts = (full.tokens == chat.vision.vision_start).nonzero().flatten().tolist()
     limit = starts[2] + 2  # the cut would fall inside the third image
     with pytest.raises(
         MultimodalDataError, match=rf"sample .*#{raw['__key__']}: {len(full)} tokens, more than"
     ):
-        encode_sample(raw, chat, CONFIG, seq_len=limit, overflow="error")
-    assert encode_sample(raw, chat, CONFIG, seq_len=limit, overflow="skip") is None
+        encode_sample(raw, chat, CONFIG, seq_length=limit, overflow="error")
+    assert encode_sample(raw, chat, CONFIG, seq_length=limit, overflow="skip") is None
     # Truncation keeps no assistant token here (the answer is at the end): the sample is dropped.
-    assert encode_sample(raw, chat, CONFIG, seq_len=limit, overflow="truncate") is None
+    assert encode_sample(raw, chat, CONFIG, seq_length=limit, overflow="truncate") is None
 
 
 def test_truncation_never_cuts_an_image(chat: ChatTokenizer) -> None:
@@ -235,9 +235,9 @@ def test_truncation_never_cuts_an_image(chat: ChatTokenizer) -> None:
         "img0.jpg": good,
         "img1.jpg": good,
     }
-    full = encode_sample(raw, chat, CONFIG, seq_len=1024)
+    full = encode_sample(raw, chat, CONFIG, seq_length=1024)
     second = (full.tokens == chat.vision.vision_start).nonzero().flatten().tolist()[1]
-    sample = encode_sample(raw, chat, CONFIG, seq_len=second + 5, overflow="truncate")
+    sample = encode_sample(raw, chat, CONFIG, seq_length=second + 5, overflow="truncate")
     assert len(sample) == second - 1 and len(sample.media) == 1 and len(sample.grids) == 1
     assert int((sample.tokens == chat.vision.image_pad).sum()) == CONFIG.num_tokens(sample.grids[0])
     assert sample.loss_mask.sum() > 0
@@ -257,7 +257,7 @@ def test_dataloader_workers_keep_the_order(shards: Path, chat: ChatTokenizer) ->
 def test_image_in_pack_decodes_to_the_original(shards: Path, chat: ChatTokenizer) -> None:
     # A sample's media are the member files of its tar entry, decoded in order of appearance.
     raw = _long_raw(shards)
-    sample = encode_sample(raw, chat, CONFIG, seq_len=SEQ_LEN)
+    sample = encode_sample(raw, chat, CONFIG, seq_length=SEQ_LEN)
     from PIL import Image
 
     for i, (kind, frames) in enumerate(sample.media):

@@ -8,19 +8,19 @@ from loong_data import PackedTextDataset, TextTokenizer, collate, prepare_text_d
 
 def test_samples_are_shifted_windows(corpus_dir: Path, tokenizer: TextTokenizer, tmp_path: Path) -> None:
     corpus = prepare_text_dataset(corpus_dir, tokenizer, tmp_path / "out", val_fraction=0)
-    seq_len = 64
-    ds = PackedTextDataset(corpus.train, seq_len)
+    seq_length = 64
+    ds = PackedTextDataset(corpus.train, seq_length)
     stream = torch.from_numpy(corpus.train.tokens.astype("int64"))
-    assert len(ds) == (corpus.train.num_tokens - 1) // seq_len
+    assert len(ds) == (corpus.train.num_tokens - 1) // seq_length
     for i in (0, 1, len(ds) - 1):
         s = ds[i]
         assert set(s) == {"tokens", "labels", "loss_mask", "position_ids"}
-        assert all(v.shape == (seq_len,) for v in s.values())
+        assert all(v.shape == (seq_length,) for v in s.values())
         assert s["tokens"].dtype == s["labels"].dtype == s["position_ids"].dtype == torch.long
         assert s["loss_mask"].dtype == torch.float32 and bool((s["loss_mask"] == 1).all())
-        assert torch.equal(s["tokens"], stream[i * seq_len : (i + 1) * seq_len])
-        assert torch.equal(s["labels"], stream[i * seq_len + 1 : (i + 1) * seq_len + 1])
-        assert torch.equal(s["position_ids"], torch.arange(seq_len))
+        assert torch.equal(s["tokens"], stream[i * seq_length : (i + 1) * seq_length])
+        assert torch.equal(s["labels"], stream[i * seq_length + 1 : (i + 1) * seq_length + 1])
+        assert torch.equal(s["position_ids"], torch.arange(seq_length))
     # Consecutive samples chain: the last label of one is the first token of the next.
     assert ds[0]["labels"][-1] == ds[1]["tokens"][0]
     # The EOD of the first document sits inside the packed stream.
@@ -30,7 +30,7 @@ def test_samples_are_shifted_windows(corpus_dir: Path, tokenizer: TextTokenizer,
         ds[len(ds)]
 
     batch = collate([ds[0], ds[3]])
-    assert {k: tuple(v.shape) for k, v in batch.items()} == dict.fromkeys(batch, (2, seq_len))
+    assert {k: tuple(v.shape) for k, v in batch.items()} == dict.fromkeys(batch, (2, seq_length))
     assert torch.equal(batch["labels"][1], ds[3]["labels"])
 
 
@@ -44,7 +44,7 @@ def test_corpus_shorter_than_one_sample(tokenizer: TextTokenizer, tmp_path: Path
     src.write_text("Exeunt.", encoding="utf-8")
     corpus = prepare_text_dataset(src, tokenizer, tmp_path / "out", val_fraction=0)
     with pytest.raises(ValueError, match=rf"{corpus.train.bin_path} has \d+ tokens, fewer than one sample"):
-        PackedTextDataset(corpus.train, seq_len=32)
+        PackedTextDataset(corpus.train, seq_length=32)
 
 
 def test_collate_rejects_mismatched_samples() -> None:

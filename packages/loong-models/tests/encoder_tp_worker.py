@@ -80,9 +80,9 @@ def run(tp: int, pp: int, etp: int, state_path: Path | None) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from vlm_testlib import packed_batch
 
     from loong_models import build_model, build_transformer_config, load_model_config
+    from loong_models.testing import packed_batch
     from loong_parallel.component_groups import component_process_groups
 
     cfg = load_model_config("tiny-vlm", ["layer_backend=local", "foundation.num_layers=2",

@@ -2,7 +2,6 @@
 torchrun with gloo: encoder TP=1 (replicated) and TP=2 inside foundation TP=2, and PP=2 (encoder
 on the first stage), give the one-process loss and encoder / projector gradients."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from loong_xpu.testing import launch_env
+
 HERE = Path(__file__).parent
 
 
 def launch(nproc: int, runs: list[str], out: Path) -> None:
-    env = dict(os.environ, LOONG_DEVICE="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(HERE / "encoder_tp_worker.py"), "--runs", *runs, "--out", str(out), "--state", str(out / "state.pt")]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -147,7 +147,7 @@ def _tiny_vlm(overrides=(), lora: LoraConfig | None = None):
 
 
 def test_vlm_alignment_trains_only_the_projector(megatron_cpu):
-    from vlm_testlib import packed_batch
+    from loong_models.testing import packed_batch
 
     model = _tiny_vlm(["+image_encoder.freeze=true", "+foundation.freeze=true"])
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -163,7 +163,7 @@ def test_vlm_alignment_trains_only_the_projector(megatron_cpu):
 
 
 def test_vlm_lora_on_foundation_and_encoder(megatron_cpu):
-    from vlm_testlib import packed_batch
+    from loong_models.testing import packed_batch
 
     lora = LoraConfig(rank=4, components=["foundation", "image_encoder"])
     model, base = _tiny_vlm(lora=lora), _tiny_vlm()

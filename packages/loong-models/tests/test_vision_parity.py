@@ -2,11 +2,18 @@
 
 import pytest
 import torch
-from vlm_testlib import build_vision, image_to_patches, load_exact, qwen_vit_state, siglip_state, te_names
 
 from loong_models import ImageEncoderConfig, ImageProjectorConfig
 from loong_models.image_encoder.grid import patch_coordinates
 from loong_models.specs import te_installed
+from loong_models.testing import (
+    build_vision,
+    image_to_patches,
+    load_exact,
+    qwen_vit_state,
+    siglip_state,
+    te_names,
+)
 from loong_xpu import get_accelerator
 from loong_xpu.testing import megatron_world
 

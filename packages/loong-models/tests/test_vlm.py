@@ -5,7 +5,6 @@ import functools
 
 import pytest
 import torch
-from vlm_testlib import IMG, VE, VID, VS, packed_batch, vision_tokens
 
 from loong_models import (
     ModelConfig,
@@ -17,6 +16,7 @@ from loong_models import (
     mrope_positions,
     packed_seq_params,
 )
+from loong_models.testing import IMG, VE, VID, VS, packed_batch, vision_tokens
 
 # Released checkpoints' parameter counts (vision tower included).
 RELEASED_VLM = {"qwen2.5-vl-3b": 3_754_622_976, "qwen2.5-vl-7b": 8_292_166_656}

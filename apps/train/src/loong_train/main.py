@@ -1,27 +1,16 @@
-"""`train` entry point: compose the Hydra config, validate it, run the loop, say where things are."""
+"""`train` entry point: compose the Hydra config, run ``Trainer(cfg).fit()``, say where things are."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-import warnings
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-def _quiet_third_party() -> None:
-    # megatron-core warns at import about optional packages (apex, TE) that the layer-spec choice
-    # already accounts for, and GPTModel's deprecation is a known, documented choice (loong-models).
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=SyntaxWarning, message=r"invalid escape sequence")
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine) (is|are) not installed")
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
-    # Loong saves synchronously; megatron routes that through its (deprecated) async path.
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)
+from loong_xpu.log import quiet_megatron
 
 
 def _setup_logging() -> None:
@@ -45,31 +34,24 @@ def to_config(raw: DictConfig):
 
 @hydra.main(config_path="configs", config_name="config", version_base=None)
 def _hydra_main(raw: DictConfig) -> None:
-    from loong_train.loop import run
+    from loong_ckpt.restore import UNUSABLE_CHECKPOINT
+    from loong_data.step_data import DataError
+    from loong_parallel import NonFiniteError
     from loong_train.schema import ConfigError
+    from loong_train.trainer import Trainer
 
     try:
         cfg = to_config(raw)
     except OmegaConfBaseException as e:
         sys.exit(f"config error: {e}".splitlines()[0] + _detail(e))
     try:
-        summary = run(cfg)
-    except ConfigError as e:
+        summary = Trainer(cfg).fit()
+    except (ConfigError, DataError) as e:
         sys.exit(f"config error: {e}")
-    except (FileNotFoundError, *_run_errors()) as e:
+    except (FileNotFoundError, NonFiniteError, *UNUSABLE_CHECKPOINT) as e:  # one-line messages
         sys.exit(f"error: {e}")
     if int(os.environ.get("RANK", 0)) == 0:
         print(_report(summary), flush=True)
-
-
-def _run_errors() -> tuple[type[Exception], ...]:
-    """Failures with a complete one-line message: a checkpoint that does not verify or asks to run
-    code, a run that keeps producing NaN / Inf."""
-    from loong_ckpt.integrity import IntegrityError
-    from loong_ckpt.safe_load import UnsafeCheckpointError
-    from loong_parallel import NonFiniteError
-
-    return IntegrityError, UnsafeCheckpointError, NonFiniteError
 
 
 def _detail(e: OmegaConfBaseException) -> str:
@@ -96,7 +78,7 @@ def _report(s) -> str:
 
 
 def main() -> None:
-    _quiet_third_party()
+    quiet_megatron()
     _setup_logging()
     _hydra_main()
 

@@ -1,12 +1,16 @@
-"""Where a run's numbers go: a JSONL file, TensorBoard, and the progress bar."""
+"""Where a run's numbers go: a JSONL file, TensorBoard, and the progress bar; and the window of
+steps whose throughput a record reports."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from loong_data.step_data import StepCounts
 
 
 class MetricsWriter:
@@ -54,3 +58,38 @@ class MetricsWriter:
 
 def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, desc="train")
+
+
+class StepWindow:
+    """What the steps since the last logged one consumed and cost: throughput and MFU over the window."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.steps = self.tokens = self.images = 0
+        self.flops = 0.0
+        self.step_time = 0.0
+        self.has_media = False
+
+    def add(self, counts: StepCounts, flops: float, *, step_time: float) -> None:
+        self.steps += 1
+        self.tokens += counts.tokens
+        self.flops += flops
+        self.step_time = step_time
+        if counts.images is not None:
+            self.has_media = True
+            self.images += counts.images
+
+    def record(self, step: int, result, *, world_size: int, peak_flops: float | None) -> tuple[dict, dict]:
+        """The metrics record of the window ending at ``step``, and the progress bar's postfix."""
+        elapsed = time.perf_counter() - self.t0
+        tps = self.tokens / elapsed
+        record = {
+            "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            "tokens_per_s": tps, "tokens_per_s_per_device": tps / world_size, "step_time_s": self.step_time,
+            "skipped": result.skipped, "nonfinite": result.nonfinite,
+        }  # fmt: skip
+        if self.has_media:
+            record["images_per_s"] = self.images / elapsed
+        if peak_flops:
+            record["mfu"] = self.flops / elapsed / world_size / peak_flops
+        return record, {"loss": f"{result.loss:.4f}", "tok_s": f"{tps:,.0f}"}

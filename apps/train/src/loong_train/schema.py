@@ -1,40 +1,23 @@
-"""The train app's config schema. Hydra composes the YAML groups; this schema validates the result
-before anything starts, so a bad key or value fails naming the key and what is allowed."""
+"""The train app's config: the composition of the packages' configs (each package owns and checks
+its own node), plus the checks that span packages. Hydra composes the YAML groups; this schema
+validates the result before anything starts, so a bad key or value fails naming the key."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-from loong_ckpt.run_dir import SCHEDULE_CHOICES
+from loong_ckpt.run_dir import ResumeSchedule
+from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
-from loong_train.multimodal_config import MultimodalDataConfig, validate_multimodal
-from loong_train.packing_config import BalanceConfig, ThdConfig, validate_packing
-
-DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
-DATA_KINDS = ("text", "chat", "multimodal")
-
-
-@dataclass
-class DataConfig:
-    # text: plain text corpora (pre-training); chat: JSONL conversations ({"messages": [...]}) through
-    # a chat template, loss on the assistant's tokens only (SFT); sources [] = the bundled Shakespeare QA;
-    # multimodal: conversations with images / videos (data.multimodal.*, multimodal.py)
-    kind: str = "text"
-    # .txt files / folders of .txt / .jsonl ({"text": ...}); empty = the bundled Shakespeare corpus
-    sources: list[str] = field(default_factory=list)
-    tokenizer: str | None = None  # tokenizer.json or an HF folder; None = the bundled BPE
-    cache_dir: str = "runs/data-cache"  # tokenised corpora, reused across runs
-    seq_length: int = 256
-    val_fraction: float = 0.02
-    # fixed: seq_length windows of the token stream; thd: variable-length document samples packed
-    # into seq_length-token sequences with cu_seqlens (no attention across documents)
-    packing: str = "fixed"
-    thd: ThdConfig = field(default_factory=ThdConfig)
-    balance: BalanceConfig = field(default_factory=BalanceConfig)
-    multimodal: MultimodalDataConfig = field(default_factory=MultimodalDataConfig)
+class DType(StrEnum):
+    auto = "auto"  # the accelerator's preferred dtype (bf16 on GPU, fp32 on CPU)
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
 
 
 @dataclass
@@ -43,7 +26,7 @@ class TrainConfig:
     micro_batch_size: int = 4
     global_batch_size: int = 16
     seed: int = 1234
-    dtype: str = "auto"  # auto = the accelerator's preferred dtype (bf16 on GPU, fp32 on CPU)
+    dtype: DType = DType.auto
     device: str = "auto"  # LOONG_DEVICE: auto | cuda | cpu | an installed plugin
     output_dir: str = "runs/default"
     log_interval: int = 1
@@ -53,15 +36,23 @@ class TrainConfig:
     save_final: bool = True  # save a checkpoint when the run ends (benchmarks turn it off)
     keep_last: int = 2  # complete checkpoints kept (and always the newest one that verified)
     overwrite: bool = False  # a fresh run may replace another run's output in output_dir
-    # resume=true with another train.steps / optim LR schedule: refuse, rescale (the schedule follows
-    # the current config from the checkpoint's step on) or keep (the checkpoint's schedule)
-    resume_schedule: str = "refuse"
+    resume_schedule: ResumeSchedule = ResumeSchedule.refuse
     nonfinite_limit: int = 5  # steps in a row with a NaN / Inf loss or gradient (each skipped) before the run stops
     init_from: str | None = None  # model weights (not optimizer) from a checkpoint or an HF directory
     export_hf: bool = False  # write HF weights (output_dir/hf/step_N) at the end ...
     export_hf_interval: int = 0  # ... and every N steps (0 = only at the end)
     tensorboard: bool = True
     progress: bool = True
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.steps < 0:
+            errors.append(f"train.steps={self.steps} must be >= 0 (0 saves the initial weights)")
+        if self.export_hf_interval < 0:
+            errors.append(f"train.export_hf_interval={self.export_hf_interval} must be >= 0 (0 = at the end only)")
+        errors += [f"train.{key}={getattr(self, key)} must be >= 1"
+                   for key in ("micro_batch_size", "global_batch_size", "log_interval", "nonfinite_limit") if getattr(self, key) < 1]  # fmt: skip
+        return errors
 
 
 @dataclass
@@ -79,71 +70,82 @@ class ConfigError(ValueError):
 
 
 def validate(cfg: Config, world_size: int) -> int:
-    """Check cross-field constraints; return the number of micro-batches per step."""
-    t, f = cfg.train, cfg.model.foundation
+    """Check every node and the rules between them; return the number of micro-batches per step."""
     try:
-        cfg.model.validate()  # every component (foundation, image encoder, projector, token ids)
-        if cfg.model.lora is not None:
-            cfg.model.lora.validate()
-        cfg.optim.validate()
-        moe = f.moe
-        cfg.parallel.validate(
-            world_size, f.num_layers, f.num_attention_heads, f.query_groups,
-            num_experts=moe.num_experts if moe else None, expert_ffn_hidden_size=moe.ffn_hidden_size if moe else None,
-            has_shared_experts=bool(moe and moe.shared_expert_intermediate_size),
-        )  # fmt: skip
+        _validate_packages(cfg, world_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    inside_moe = {"expert_fc1", "moe_act"} & set(cfg.parallel.offload_activations)
-    if inside_moe and "moe" in (f.recompute_modules or []):
-        raise ConfigError(
-            f"parallel.offload_activations {sorted(inside_moe)} lie inside the MoE layer that "
-            "model.foundation.recompute_modules=[moe] recomputes; drop one of them (megatron's rule)"
-        )
-    if t.dtype not in DTYPES:
-        raise ConfigError(f"train.dtype={t.dtype!r}; allowed: {', '.join(DTYPES)}")
-    if cfg.model.lora is not None and not t.init_from:
-        raise ConfigError("model.lora needs train.init_from: the base weights the adapters train on "
-                          "(a Loong checkpoint or an HF directory)")  # fmt: skip
-    if t.steps < 0:
-        raise ConfigError(f"train.steps={t.steps} must be >= 0 (0 saves the initial weights)")
-    if t.resume_schedule not in SCHEDULE_CHOICES:
-        raise ConfigError(f"train.resume_schedule={t.resume_schedule!r}; allowed: {', '.join(SCHEDULE_CHOICES)}")
-    if t.export_hf_interval < 0:
-        raise ConfigError(
-            f"train.export_hf_interval={t.export_hf_interval} must be >= 0 (0 = at the end only)"
-        )
-    for key in ("micro_batch_size", "global_batch_size", "log_interval", "nonfinite_limit"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 1")
-    if cfg.data.seq_length < 2 or cfg.data.seq_length > f.max_position_embeddings:
-        raise ConfigError(
-            f"data.seq_length={cfg.data.seq_length} must be in [2, model.foundation.max_position_embeddings="
-            f"{f.max_position_embeddings}]"
-        )
+    for error in [*cfg.train.errors(), *_cross_package_errors(cfg), *cfg.data.errors()]:
+        raise ConfigError(error)
+    t = cfg.train
     dp = cfg.parallel.data_parallel_size(world_size)
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size "
-            f"x data-parallel size = {t.micro_batch_size} x {dp} = {per_step}"
-        )
-    d = cfg.data
-    if d.kind not in DATA_KINDS:
-        raise ConfigError(f"data.kind={d.kind!r}; allowed: {', '.join(DATA_KINDS)}")
-    if d.kind == "chat" and d.packing != "fixed":
-        raise ConfigError("data.kind=chat trains one conversation per data.seq_length row: use data.packing=fixed")
-    for error in validate_packing(
-        d.packing,
-        d.thd,
-        d.balance,
-        seq_length=d.seq_length,
-        tp=cfg.parallel.tp,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-    ):
-        raise ConfigError(error)
-    for error in validate_multimodal(d.kind, d.multimodal, packing=d.packing, balance=d.balance.enabled):
-        raise ConfigError(error)
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size "
+                          f"x data-parallel size = {t.micro_batch_size} x {dp} = {per_step}")  # fmt: skip
     return t.global_batch_size // per_step
+
+
+def _validate_packages(cfg: Config, world_size: int) -> None:
+    f, moe = cfg.model.foundation, cfg.model.foundation.moe
+    cfg.model.validate()  # every component (foundation, image encoder, projector, token ids)
+    if cfg.model.lora is not None:
+        cfg.model.lora.validate()
+    cfg.optim.validate()
+    cfg.parallel.validate(
+        world_size, f.num_layers, f.num_attention_heads, f.query_groups,
+        num_experts=moe.num_experts if moe else None, expert_ffn_hidden_size=moe.ffn_hidden_size if moe else None,
+        has_shared_experts=bool(moe and moe.shared_expert_intermediate_size),
+    )  # fmt: skip
+
+
+def _cross_package_errors(cfg: Config) -> list[str]:
+    f, d, p = cfg.model.foundation, cfg.data, cfg.parallel
+    errors = []
+    inside_moe = {"expert_fc1", "moe_act"} & set(p.offload_activations)
+    if inside_moe and "moe" in (f.recompute_modules or []):
+        errors.append(f"parallel.offload_activations {sorted(inside_moe)} lie inside the MoE layer that "
+                      "model.foundation.recompute_modules=[moe] recomputes; drop one of them (megatron's rule)")  # fmt: skip
+    if cfg.model.lora is not None and not cfg.train.init_from:
+        errors.append("model.lora needs train.init_from: the base weights the adapters train on "
+                      "(a Loong checkpoint or an HF directory)")  # fmt: skip
+    if d.seq_length < 2 or d.seq_length > f.max_position_embeddings:
+        errors.append(f"data.seq_length={d.seq_length} must be in [2, model.foundation.max_position_embeddings="
+                      f"{f.max_position_embeddings}]")  # fmt: skip
+    if d.packing == "thd" and p.sequence_parallel and d.seq_length % p.tp:
+        errors.append(f"data.seq_length={d.seq_length} must be a multiple of parallel.tp={p.tp} for packed "
+                      "sequences with sequence parallelism")  # fmt: skip
+    if d.kind == "multimodal" and cfg.model.image_encoder is None:
+        errors.append("data.kind=multimodal (images in the data) but model.image_encoder is null: the model "
+                      "cannot see images; choose a VLM, e.g. model=tiny-vlm")  # fmt: skip
+    return errors + _balance_errors(cfg)
+
+
+def _balance_errors(cfg: Config) -> list[str]:
+    b, d = cfg.parallel.balance, cfg.data
+    errors = []
+    if b.enabled and d.packing != "thd":
+        errors.append("parallel.balance.enabled=true needs data.packing=thd")
+    if b.enabled and d.kind == "multimodal":
+        errors.append("parallel.balance.enabled=true is not supported with data.kind=multimodal yet")
+    if b.max_tokens_per_rank is not None and b.max_tokens_per_rank < d.seq_length:
+        errors.append(f"parallel.balance.max_tokens_per_rank={b.max_tokens_per_rank} must be null or "
+                      f">= data.seq_length ({d.seq_length})")  # fmt: skip
+    return errors
+
+
+def patch_geometry(model: ModelConfig) -> PatchGeometry | None:
+    """How the model cuts images into patches: the data's image processor follows the model."""
+    e = model.image_encoder
+    if e is None:
+        return None
+    return PatchGeometry(patch_size=e.patch_size, temporal_patch_size=e.temporal_patch_size,
+                         merge_size=e.spatial_merge_size)  # fmt: skip
+
+
+def check_data_fits_model(model: ModelConfig, tokenizer) -> None:
+    """The tokenizer's ids fit the model: its vocabulary, and a VLM's vision token ids."""
+    try:
+        model.check_tokenizer(tokenizer.vocab_size, getattr(tokenizer, "vision", None), source=str(tokenizer.path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

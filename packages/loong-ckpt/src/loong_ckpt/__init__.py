@@ -25,6 +25,8 @@ _EXPORTS = {
     # composed models (VLMs): component mappings
     "ComponentMapping": "components", "ModelMapping": "components", "MODEL_MAPPINGS": "components",
     "checkpoint_meta": "components", "model_from_hf": "components", "read_hf_model": "online",
+    # how a training run starts: init_from / resume / LoRA base
+    "Restored": "restore", "RestoreError": "restore", "restore": "restore", "run_meta": "restore",
 }  # fmt: skip
 __all__ = sorted(_EXPORTS)
 

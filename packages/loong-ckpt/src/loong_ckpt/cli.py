@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import warnings
 from pathlib import Path
+
+from loong_xpu.log import quiet_megatron
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,12 +55,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    warnings.filterwarnings("ignore", module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=SyntaxWarning)
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine) (is|are) not installed")
+    quiet_megatron()
     logging.basicConfig(level=logging.WARNING, format="[loong-convert] %(levelname)s: %(message)s")
-    for noisy in ("megatron", "torch.utils.cpp_extension"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    logging.getLogger("megatron").setLevel(logging.ERROR)
 
     from loong_ckpt.convert import hf_to_mcore, mcore_to_hf
     from loong_ckpt.hf_config import ConversionError

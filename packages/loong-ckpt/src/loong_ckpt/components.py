@@ -16,22 +16,21 @@ text-only model is simply the one-component case with empty prefixes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from loong_ckpt.composed import ComponentMapping, ModelMapping, Renames
 from loong_ckpt.families import get_mapping, supported_architectures
 from loong_ckpt.hf_config import ConversionError, foundation_from_dict, from_hf_config
 from loong_ckpt.mapping import Rule, SliceReader
+from loong_ckpt.vlm import QWEN25_VL
 from loong_models import FoundationConfig
 
-# An HF naming of a composed model: per component, (old prefix, new prefix) replacements applied
-# to its rules' HF names (the first matching one wins; "" matches every name).
-Renames = tuple[tuple[str, str], ...]
-
+__all__ = ["MODEL_MAPPINGS", "ComponentMapping", "ModelMapping", "Renames"]  # re-exported declarations
 
 @dataclass(frozen=True)
 class BoundRule:
@@ -122,49 +121,8 @@ class _RenamedReader:
         return self.reader.read(self.bound.hf_name(name), dim, start, stop)
 
 
-@dataclass(frozen=True)
-class ComponentMapping:
-    """One component of a composed model: its rules and where its keys live on each side."""
-
-    component: str  # the ModelConfig field holding its config (image_encoder, image_projector, foundation)
-    mcore_prefix: str  # prefix of its keys in the composed model's sharded_state_dict
-    # naming -> HF renames for its rules' names (see Renames); every naming of the ModelMapping
-    hf_renames: dict[str, Renames]
-    # The rules for the model config (the foundation's come from its family, so they are looked up).
-    rules: Callable[[Any], Sequence[Rule]]
-    # What the rules' transforms read: the component's head geometry (FoundationConfig for the LLM).
-    shapes: Callable[[Any], Any]
-
-
-@dataclass(frozen=True)
-class ModelMapping:
-    """A composed HF architecture: its components, its HF namings and its config.json mapping."""
-
-    name: str
-    hf_architectures: tuple[str, ...]
-    encoder_type: str  # the ModelConfig's image_encoder.type this mapping converts
-    components: tuple[ComponentMapping, ...]
-    # HF namings this architecture's checkpoints use, the first being what save_pretrained writes,
-    # each recognised by a tensor only that naming has.
-    namings: dict[str, str]
-    from_hf: Callable[[dict[str, Any], str], Any]  # config.json -> ModelConfig (raises ConversionError)
-    to_hf: Callable[[Any, torch.dtype], dict[str, Any]]  # ModelConfig -> config.json
-    same_architecture: Callable[[Any, Any], bool]
-
-    def naming_of(self, tensor_names: Sequence[str] | set[str], source: str) -> str:
-        names = set(tensor_names)
-        for naming, marker in self.namings.items():
-            if marker in names:
-                return naming
-        raise ConversionError(
-            f"{source}: no tensor names the {self.name} layout; expected one of "
-            f"{', '.join(self.namings.values())}"
-        )
-
-
-# Registered composed architectures, by name; filled by the modules declaring them (loong_ckpt.vlm,
-# imported at the end of this module).
-MODEL_MAPPINGS: dict[str, ModelMapping] = {}
+# The composed architectures, by name (declared in loong_ckpt.vlm; register() adds more).
+MODEL_MAPPINGS: dict[str, ModelMapping] = {QWEN25_VL.name: QWEN25_VL}
 
 
 def register(mapping: ModelMapping) -> ModelMapping:
@@ -371,6 +329,3 @@ def component_diff(a: Any, b: Any) -> str:
         diffs += [f"{k}: {ma[k]!r} (HF) != {mb[k]!r}" for k in ma if k not in skip and ma[k] != mb[k]]
     return "; ".join(diffs) or "head_dim / KV groups differ"
 
-
-# The declarations register themselves; imported last, as they use the classes above.
-from loong_ckpt import vlm as _vlm  # noqa: E402, F401

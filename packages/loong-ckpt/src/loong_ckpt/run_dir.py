@@ -11,9 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from loong_ckpt.log import logger
 from loong_ckpt.training import complete_checkpoints
 
 RUN_CONFIG_KEY = "run_config"  # loong.json: the run's whole config, flattened to dotted keys
@@ -24,9 +28,17 @@ RUN_OUTPUTS = ("checkpoints", METRICS_FILE, "tensorboard", "hf")
 MUST_MATCH = ("model.", "data.kind", "data.sources", "data.tokenizer")
 # Keys that shape the LR schedule: changing them on resume needs train.resume_schedule.
 SCHEDULE_KEYS = ("train.steps", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.schedule")
-SCHEDULE_CHOICES = ("refuse", "rescale", "keep")
 # Expected to differ between the interrupted run and its resumption.
 _IGNORED = ("resume", "train.output_dir", "train.overwrite", "train.resume_schedule", "train.progress")
+
+
+class ResumeSchedule(StrEnum):
+    """What ``resume=true`` does when the LR schedule's settings (``train.steps``, ``optim.lr``, ...)
+    differ from the checkpoint's."""
+
+    refuse = "refuse"  # stop, explaining the two choices below
+    rescale = "rescale"  # recompute the schedule from the current config, from the checkpoint's step on
+    keep = "keep"  # the checkpoint's schedule (past its last step the LR stays at its minimum)
 
 
 class RunDirError(ValueError):
@@ -86,6 +98,22 @@ def clear_run_outputs(out_dir: Path) -> None:
             path.unlink()
 
 
+def claim_output_dir(out_dir: Path, *, resume: bool = False, overwrite: bool = False) -> None:
+    """Collective: a fresh run refuses an output directory holding another run
+    (:class:`RunDirError`), or with ``overwrite`` has rank 0 clear what that run wrote."""
+    if resume:
+        return
+    replaced = check_fresh_output_dir(out_dir, overwrite=overwrite)
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    if dist.is_initialized():
+        dist.barrier()  # every rank has looked before rank 0 clears it
+    if replaced and main:
+        logger.warning("train.overwrite=true: replacing the run in %s (%s)", out_dir, replaced)
+        clear_run_outputs(out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{key: (stored, current)}`` for every key whose value differs (missing on one side: None)."""
     keys = (set(stored) | set(current)) - set(_IGNORED)
@@ -103,8 +131,8 @@ def check_resume(
     for a different model or data, and for a changed LR schedule unless ``schedule`` says what to
     do (``rescale``: follow the current settings; ``keep``: the checkpoint's schedule). Returns the
     remaining changes (logged by the caller; e.g. the parallel layout)."""
-    if schedule not in SCHEDULE_CHOICES:
-        raise RunDirError(f"train.resume_schedule={schedule!r}; allowed: {', '.join(SCHEDULE_CHOICES)}")
+    if schedule not in set(ResumeSchedule):
+        raise RunDirError(f"train.resume_schedule={schedule!r}; allowed: {', '.join(ResumeSchedule)}")
     if stored is None:  # written before configs were stored: nothing to compare
         return {}
     changes = config_changes(stored, current)
@@ -123,3 +151,11 @@ def check_resume(
             "to continue the checkpoint's schedule (past its last step the LR stays at its minimum)"
         )
     return {k: v for k, v in changes.items() if k not in sched}
+
+
+def follow_config_schedule(scheduler: Any) -> None:
+    """When a checkpoint is loaded into megatron's LR ``scheduler``, keep its own settings (the
+    current config: total steps, LRs, warmup) instead of the checkpoint's; the step count still
+    comes from the checkpoint. megatron's default keeps the checkpoint's settings."""
+    scheduler.use_checkpoint_opt_param_scheduler = False
+    scheduler.override_opt_param_scheduler = True

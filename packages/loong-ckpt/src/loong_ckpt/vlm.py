@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from loong_ckpt.components import ComponentMapping, ModelMapping, register
+from loong_ckpt.composed import ComponentMapping, ModelMapping
 from loong_ckpt.families import get_mapping
 from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture, to_hf_config
 from loong_ckpt.mapping import GATE_UP, QKV, Rule, SliceReader, Split, Transform
@@ -276,37 +276,35 @@ def qwen25_vl_same(a: Any, b: Any) -> bool:
     )
 
 
-QWEN25_VL = register(
-    ModelMapping(
-        name="qwen2.5-vl",
-        hf_architectures=("Qwen2_5_VLForConditionalGeneration",),
-        encoder_type=ENCODER_TYPE,
-        components=(
-            ComponentMapping(
-                "image_encoder",
-                "image_encoder.",
-                {"hub": (("", "visual."),), "modules": (("", "model.visual."),)},
-                rules=lambda cfg: QWEN25_VIT,
-                shapes=_encoder_shapes,
-            ),
-            ComponentMapping(
-                "image_projector",
-                "image_projector.",
-                {"hub": (("", "visual."),), "modules": (("", "model.visual."),)},
-                rules=lambda cfg: QWEN25_MERGER,
-                shapes=_projector_shapes,
-            ),
-            ComponentMapping(
-                "foundation",
-                "foundation.",
-                {"hub": (), "modules": (("model.", "model.language_model."),)},
-                rules=lambda cfg: get_mapping(cfg.foundation.family).rules,
-                shapes=lambda cfg: cfg.foundation,
-            ),
+QWEN25_VL = ModelMapping(
+    name="qwen2.5-vl",
+    hf_architectures=("Qwen2_5_VLForConditionalGeneration",),
+    encoder_type=ENCODER_TYPE,
+    components=(
+        ComponentMapping(
+            "image_encoder",
+            "image_encoder.",
+            {"hub": (("", "visual."),), "modules": (("", "model.visual."),)},
+            rules=lambda cfg: QWEN25_VIT,
+            shapes=_encoder_shapes,
         ),
-        namings={"hub": "model.embed_tokens.weight", "modules": "model.language_model.embed_tokens.weight"},
-        from_hf=qwen25_vl_from_hf,
-        to_hf=qwen25_vl_to_hf,
-        same_architecture=qwen25_vl_same,
-    )
+        ComponentMapping(
+            "image_projector",
+            "image_projector.",
+            {"hub": (("", "visual."),), "modules": (("", "model.visual."),)},
+            rules=lambda cfg: QWEN25_MERGER,
+            shapes=_projector_shapes,
+        ),
+        ComponentMapping(
+            "foundation",
+            "foundation.",
+            {"hub": (), "modules": (("model.", "model.language_model."),)},
+            rules=lambda cfg: get_mapping(cfg.foundation.family).rules,
+            shapes=lambda cfg: cfg.foundation,
+        ),
+    ),
+    namings={"hub": "model.embed_tokens.weight", "modules": "model.language_model.embed_tokens.weight"},
+    from_hf=qwen25_vl_from_hf,
+    to_hf=qwen25_vl_to_hf,
+    same_architecture=qwen25_vl_same,
 )

@@ -4,7 +4,7 @@
                             default_tokenizer, load_tokenizer, prepare_text_dataset)
     tok = load_tokenizer(default_tokenizer())
     corpus = prepare_text_dataset(default_corpus(), tok, "outputs/shakespeare")
-    ds = PackedTextDataset(corpus.train, seq_len=256)
+    ds = PackedTextDataset(corpus.train, seq_length=256)
     sampler = DistributedBatchSampler(len(ds), micro_batch_size=4, num_microbatches=2,
                                       dp_rank=0, dp_size=1, seed=0)
     microbatches = next(iter(sampler))

@@ -10,27 +10,27 @@ from loong_data.token_file import TokenFile
 
 
 class PackedTextDataset(Dataset[dict[str, torch.Tensor]]):
-    """Sample ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]`` of the token file.
+    """Sample ``i`` is ``tokens[i*seq_length : i*seq_length + seq_length + 1]`` of the token file.
 
     Documents already end with EOD, so packing across document boundaries needs no separator.
     Consecutive samples share one token: the last label of sample ``i`` is the first input of
-    ``i + 1``, so every token is predicted once. Each item is a dict of ``seq_len`` tensors:
+    ``i + 1``, so every token is predicted once. Each item is a dict of ``seq_length`` tensors:
     ``tokens`` and ``labels`` (tokens shifted by one) as int64, ``loss_mask`` float32 ones,
-    ``position_ids`` ``0..seq_len-1``.
+    ``position_ids`` ``0..seq_length-1``.
     """
 
-    def __init__(self, token_file: TokenFile | str | Path, seq_len: int) -> None:
+    def __init__(self, token_file: TokenFile | str | Path, seq_length: int) -> None:
         self.token_file = token_file if isinstance(token_file, TokenFile) else TokenFile(token_file)
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        self.seq_len = seq_len
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        self.seq_length = seq_length
         # The +1 is the label of the last position.
-        self._num_samples = (self.token_file.num_tokens - 1) // seq_len
+        self._num_samples = (self.token_file.num_tokens - 1) // seq_length
         if self._num_samples < 1:
             raise ValueError(f"{self.token_file.bin_path} has {self.token_file.num_tokens} tokens, fewer than one "
-                             f"sample of seq_len {seq_len} needs ({seq_len + 1})")
-        self._position_ids = torch.arange(seq_len, dtype=torch.long)
-        self._loss_mask = torch.ones(seq_len, dtype=torch.float32)
+                             f"sample of seq_length {seq_length} needs ({seq_length + 1})")
+        self._position_ids = torch.arange(seq_length, dtype=torch.long)
+        self._loss_mask = torch.ones(seq_length, dtype=torch.float32)
 
     def __len__(self) -> int:
         return self._num_samples
@@ -38,8 +38,8 @@ class PackedTextDataset(Dataset[dict[str, torch.Tensor]]):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -self._num_samples <= index < self._num_samples:
             raise IndexError(f"sample {index} out of range for {self._num_samples} samples")
-        start = (index % self._num_samples) * self.seq_len
-        window = torch.from_numpy(np.asarray(self.token_file.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        start = (index % self._num_samples) * self.seq_length
+        window = torch.from_numpy(np.asarray(self.token_file.tokens[start : start + self.seq_length + 1], dtype=np.int64))
         return {
             "tokens": window[:-1],
             "labels": window[1:],

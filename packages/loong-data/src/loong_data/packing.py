@@ -6,6 +6,7 @@ share of pack slots left empty, i.e. compute spent on nothing.
 """
 
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Protocol
 
 import numpy as np
@@ -86,7 +87,14 @@ class FirstFitDecreasing:
         return packs
 
 
-STRATEGIES = ("ffd", "sequential")
+class Strategy(StrEnum):
+    """Packing strategies by name (``data.thd.strategy``)."""
+
+    ffd = "ffd"  # first-fit decreasing
+    sequential = "sequential"
+
+
+STRATEGIES = tuple(s.value for s in Strategy)
 
 
 def packing_strategy(name: str, buffer_size: int | None = None) -> PackingStrategy:

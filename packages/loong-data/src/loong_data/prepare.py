@@ -28,7 +28,7 @@ class TokenizedCorpus:
     reused: bool  # True when matching files already existed and nothing was tokenised
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
@@ -41,9 +41,9 @@ def fingerprint(files: list[Path], tokenizer: TextTokenizer, val_fraction: float
     moving a corpus keeps the cache while editing one byte invalidates it."""
     key = {
         "version": VERSION,
-        "tokenizer": _sha256_file(tokenizer.path),
+        "tokenizer": sha256_file(tokenizer.path),
         "eod_id": tokenizer.eod_id,
-        "sources": [_sha256_file(f) for f in files],
+        "sources": [sha256_file(f) for f in files],
         "val_fraction": val_fraction,
         "seed": seed,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -83,6 +84,37 @@ class ModelConfig:
             )
         return n
 
+    def check_tokenizer(self, vocab_size: int, vision: Any = None, *, source: str = "the tokenizer") -> None:
+        """Raise ValueError naming the key when a tokenizer's ids do not fit this model: its
+        vocabulary, and (``vision``: ids ``image_pad``, ``video_pad``, ``vision_start``,
+        ``vision_end``, e.g. loong-data's ChatTokenizer.vision) a VLM's vision token ids."""
+        if self.image_encoder is not None and vision is not None:
+            for key, token in (("image_token_id", "image_pad"), ("video_token_id", "video_pad"),
+                               ("vision_start_token_id", "vision_start"), ("vision_end_token_id", "vision_end")):  # fmt: skip
+                mine, theirs = getattr(self, key), getattr(vision, token)
+                if mine is not None and mine != theirs:
+                    raise ValueError(f"model.{key}={mine} but the tokenizer ({source}) has id {theirs} for "
+                                     f"that token; set model.{key}={theirs}")  # fmt: skip
+        if vocab_size > self.foundation.vocab_size:
+            raise ValueError(f"model.foundation.vocab_size={self.foundation.vocab_size} is smaller than the "
+                             f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
+
+    def flops_per_patch(self) -> float:
+        """Training FLOPs per ViT patch of the image encoder and projector, 6 N per token (the
+        projector runs on patches / merge**2 tokens); the ViT's attention is not counted (a few
+        percent at 448 px). 0 for a text-only model."""
+        e = self.image_encoder
+        if e is None:
+            return 0.0
+        proj = self.image_projector.num_parameters(e.hidden_size, e.spatial_merge_size, self.foundation.hidden_size)
+        return 6 * e.num_parameters() + 6 * proj / e.spatial_merge_size**2
+
+    def training_flops(self, *, tokens: int, seq_length: int, patches: int = 0) -> float:
+        """The model's training FLOPs for ``tokens`` tokens in ``seq_length``-token sequences and
+        ``patches`` image patches: what MFU and the benches count."""
+        flops = self.foundation.flops_per_token(seq_length) * tokens
+        return flops + self.flops_per_patch() * patches if patches else flops
+
 
 def zoo_names() -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
@@ -145,6 +177,7 @@ def build_model(
     post_process: bool = True,
     vp_stage: int | None = None,
     encoder_pg_collection: ProcessGroupCollection | None = None,
+    layer_backend: str | None = None,
 ):
     """Build this rank's pipeline stage of the model described by ``cfg``: a megatron GPTModel for a
     text-only model, an :class:`OmniCombinationModel` for a VLM.
@@ -153,8 +186,9 @@ def build_model(
     with the foundation's precision and their own TP size; ``encoder_pg_collection`` holds their
     process groups when that size differs from the foundation's (see
     ``loong_parallel.component_process_groups``); otherwise megatron's global groups are used.
+    ``layer_backend``: the resolved backend (:func:`resolve_backend`), resolved here when None.
     """
-    backend = resolve_backend(cfg.layer_backend, device_type)
+    backend = layer_backend or resolve_backend(cfg.layer_backend, device_type)
     foundation = build_foundation(
         cfg.foundation,
         config,

@@ -4,21 +4,43 @@ Process groups (TP / PP / DP / EP), megatron-core DDP and optimizer wiring, pipe
 data-parallel load balancing (:mod:`loong_parallel.balance`), MoE router statistics.
 """
 
-from loong_parallel.balance import DPBalancer, OnlineCostFit, QuadraticCost
+from loong_parallel.balance import (
+    BalanceConfig,
+    DPBalancer,
+    OnlineCostFit,
+    QuadraticCost,
+    TrainBalancer,
+    build_balancer,
+)
 from loong_parallel.config import ParallelConfig
-from loong_parallel.distributed import DistEnv, init_distributed, initialize_model_parallel, shutdown
+from loong_parallel.distributed import (
+    DataParallel,
+    DistEnv,
+    data_parallel,
+    init_distributed,
+    initialize_model_parallel,
+    shutdown,
+)
+from loong_parallel.forward import lm_forward_step, masked_token_loss
+from loong_parallel.kinds import LanguageModel, ModelKind
 from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
 from loong_parallel.moe import RouterStats
 from loong_parallel.nonfinite import NonFiniteError, NonFiniteGuard
-from loong_parallel.optimizer import OptimConfig, build_optimizer, follow_config_schedule
+from loong_parallel.optimizer import OptimConfig, build_optimizer
+from loong_parallel.rng import rng_state, seed_everything, set_rng_state
 from loong_parallel.runtime import runtime_transformer_fields
+from loong_parallel.schedule import microbatch_iterators, schedule_shape
 from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
 
 __version__ = "0.1.0"
 __all__ = [
     "LOSS_KEY",
+    "BalanceConfig",
     "DPBalancer",
+    "DataParallel",
     "DistEnv",
+    "LanguageModel",
+    "ModelKind",
     "ModelProvider",
     "NonFiniteError",
     "NonFiniteGuard",
@@ -28,13 +50,22 @@ __all__ = [
     "QuadraticCost",
     "RouterStats",
     "StepResult",
+    "TrainBalancer",
+    "build_balancer",
     "build_model_chunks",
     "build_optimizer",
+    "data_parallel",
     "eval_step",
-    "follow_config_schedule",
     "init_distributed",
     "initialize_model_parallel",
+    "lm_forward_step",
+    "masked_token_loss",
+    "microbatch_iterators",
+    "rng_state",
     "runtime_transformer_fields",
+    "schedule_shape",
+    "seed_everything",
+    "set_rng_state",
     "shutdown",
     "train_step",
     "unwrap",

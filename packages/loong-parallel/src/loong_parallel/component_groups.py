@@ -50,3 +50,15 @@ def component_process_groups(tensor_model_parallel_size: int) -> ProcessGroupCol
     pgs.tp = group
     pgs.tp_cp = group
     return pgs
+
+
+def image_encoder_process_groups(model, foundation_tp: int) -> ProcessGroupCollection | None:
+    """A VLM's image-encoder groups when its TP size (``model.image_encoder.
+    tensor_model_parallel_size``) differs from the foundation's, else None (megatron's own).
+    ``model``: a ``loong_models.ModelConfig``. Collective when the sizes differ."""
+    from loong_models import encoder_tensor_parallel_size
+
+    if model.image_encoder is None:
+        return None
+    etp = encoder_tensor_parallel_size(model, foundation_tp)
+    return component_process_groups(etp) if etp != foundation_tp else None

@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-MOE_DISPATCHERS = ("alltoall", "allgather")
-# megatron-core's fine-grained activation offloading points (the input of each module goes to host).
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+from loong_parallel.balance.config import BalanceConfig
+
+
+class MoEDispatcher(StrEnum):
+    """How tokens reach their experts' ranks (megatron's moe_token_dispatcher_type)."""
+
+    alltoall = "alltoall"
+    allgather = "allgather"
+
+
+class OffloadModule(StrEnum):
+    """megatron-core's fine-grained activation offloading points (the input of each module goes to host)."""
+
+    attn_norm = "attn_norm"
+    qkv_linear = "qkv_linear"
+    core_attn = "core_attn"
+    attn_proj = "attn_proj"
+    mlp_norm = "mlp_norm"
+    expert_fc1 = "expert_fc1"
+    moe_act = "moe_act"
 
 
 @dataclass
@@ -27,15 +45,17 @@ class ParallelConfig:
     etp: int | None = None
     # How tokens reach their experts' ranks: alltoall (sends each token only where it is routed;
     # needed for the overlaps below) or allgather (every rank sees all tokens of its TP group).
-    moe_token_dispatcher: str = "alltoall"
+    moe_token_dispatcher: MoEDispatcher = MoEDispatcher.alltoall
     # Run the shared experts on a side stream while the routed tokens are dispatched (CUDA).
     moe_shared_expert_overlap: bool = False
     # Hide the expert-parallel all-to-all behind another micro-batch's computation (megatron's
     # combined 1F1B schedule; CUDA, bf16/fp16, ep > 1, with pp > 1 only interleaved (vpp)).
     moe_a2a_overlap: bool = False
     # Fine-grained activation offloading: the inputs of these modules are kept in host memory
-    # between forward and backward (CUDA); empty = off. Choices: OFFLOAD_MODULES.
-    offload_activations: list[str] = field(default_factory=list)
+    # between forward and backward (CUDA); empty = off.
+    offload_activations: list[OffloadModule] = field(default_factory=list)
+    # Data-parallel load balancing of packed samples (data.packing=thd)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
 
     @property
     def expert_tp(self) -> int:
@@ -63,6 +83,8 @@ class ParallelConfig:
     ) -> None:
         """Raise ValueError naming the key when the layout cannot hold the model. The MoE
         arguments describe the model's experts (None: a dense model)."""
+        for error in self.balance.errors():
+            raise ValueError(error)
         for key in ("tp", "pp", "ep"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)} must be >= 1")
@@ -91,15 +113,6 @@ class ParallelConfig:
     ) -> None:
         if self.etp is not None and self.etp < 1:
             raise ValueError(f"parallel.etp={self.etp} must be >= 1 or null (= parallel.tp)")
-        if self.moe_token_dispatcher not in MOE_DISPATCHERS:
-            raise ValueError(
-                f"parallel.moe_token_dispatcher={self.moe_token_dispatcher!r}; allowed: {', '.join(MOE_DISPATCHERS)}"
-            )
-        for m in self.offload_activations:
-            if m not in OFFLOAD_MODULES:
-                raise ValueError(
-                    f"parallel.offload_activations: {m!r} is unknown; allowed: {', '.join(OFFLOAD_MODULES)}"
-                )
         if "attn_proj" in self.offload_activations and "core_attn" not in self.offload_activations:
             raise ValueError(
                 "parallel.offload_activations: 'attn_proj' needs 'core_attn' too (megatron offloads them together)"

@@ -62,10 +62,28 @@ def initialize_model_parallel(pcfg: ParallelConfig, world_size: int) -> None:
     )
 
 
-def shutdown() -> None:
+@dataclass(frozen=True)
+class DataParallel:
+    """This rank's place in megatron's data-parallel group."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+
+
+def data_parallel() -> DataParallel:
+    from megatron.core import parallel_state as mpu
+
+    return DataParallel(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+                        mpu.get_data_parallel_group())  # fmt: skip
+
+
+def shutdown(process_group: bool = True) -> None:
+    """Destroy megatron's model-parallel groups, and the process group unless ``process_group``
+    is False (several runs in one launch: re-creating it hangs in the env:// rendezvous)."""
     from megatron.core import parallel_state as mpu
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    if dist.is_initialized():
+    if process_group and dist.is_initialized():
         dist.destroy_process_group()

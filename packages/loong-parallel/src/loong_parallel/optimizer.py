@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -10,7 +11,14 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from loong_parallel.config import ParallelConfig
 
-LR_SCHEDULES = ("cosine", "linear", "constant")
+
+class LRSchedule(StrEnum):
+    """The learning rate after warmup (megatron's lr_decay_style)."""
+
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
 
 
 @dataclass
@@ -18,7 +26,7 @@ class OptimConfig:
     lr: float = 3e-4
     min_lr: float = 3e-5
     warmup_steps: int = 10
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    schedule: LRSchedule = LRSchedule.cosine
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -26,8 +34,6 @@ class OptimConfig:
     clip_grad: float = 1.0
 
     def validate(self) -> None:
-        if self.schedule not in LR_SCHEDULES:
-            raise ValueError(f"optim.schedule={self.schedule!r}; allowed: {', '.join(LR_SCHEDULES)}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
         if self.warmup_steps < 0:
@@ -71,7 +77,7 @@ def build_optimizer(
         min_lr=ocfg.min_lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=max(total_steps, warmup + 1),
-        lr_decay_style=ocfg.schedule,
+        lr_decay_style=str(ocfg.schedule),  # a plain str: it is saved in checkpoints
         start_wd=ocfg.weight_decay,
         end_wd=ocfg.weight_decay,
         wd_incr_steps=max(total_steps, 1),
@@ -79,10 +85,3 @@ def build_optimizer(
     )
     return optimizer, scheduler
 
-
-def follow_config_schedule(scheduler: OptimizerParamScheduler) -> None:
-    """When a checkpoint is loaded into ``scheduler``, keep its own LR schedule settings (the
-    current config: total steps, LRs, warmup) instead of the checkpoint's; the step count still
-    comes from the checkpoint. megatron's default keeps the checkpoint's settings."""
-    scheduler.use_checkpoint_opt_param_scheduler = False
-    scheduler.override_opt_param_scheduler = True

@@ -25,11 +25,11 @@ def runtime_transformer_fields(
     return dict(
         expert_model_parallel_size=pcfg.ep,
         expert_tensor_parallel_size=pcfg.expert_tp,
-        moe_token_dispatcher_type=pcfg.moe_token_dispatcher,
+        moe_token_dispatcher_type=str(pcfg.moe_token_dispatcher),
         moe_shared_expert_overlap=pcfg.moe_shared_expert_overlap,
         overlap_moe_expert_parallel_comm=pcfg.moe_a2a_overlap,
         fine_grained_activation_offloading=bool(pcfg.offload_activations),
-        offload_modules=list(pcfg.offload_activations),
+        offload_modules=[str(m) for m in pcfg.offload_activations],
         tensor_model_parallel_size=pcfg.tp,
         pipeline_model_parallel_size=pcfg.pp,
         virtual_pipeline_model_parallel_size=pcfg.vpp,

@@ -6,8 +6,10 @@ Use from a conftest.py: ``from loong_xpu.testing import megatron_cpu``.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -15,6 +17,29 @@ import torch.distributed as dist
 from loong_xpu.accelerator import Accelerator
 from loong_xpu.patches import redirect_cuda
 from loong_xpu.registry import get_accelerator
+
+
+def live_session_processes(sid: int) -> list[int]:
+    """Processes of session ``sid`` that are still running (zombies, already dead, excluded): what a
+    test that killed a process started with ``start_new_session=True`` finds left of it (Linux)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def launch_env(device: str = "cpu") -> dict[str, str]:
+    """``os.environ`` for a process a test starts (alone or under torchrun): the device, unbuffered
+    output, one thread per process, and none of the caller's rank variables."""
+    env = dict(os.environ, LOONG_DEVICE=device, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
 
 
 def _free_port() -> int:

@@ -3,7 +3,7 @@
 from loong_data.multimodal import (PackedMultimodalDataset, VisionProcessorConfig,
                                    convert_to_webdataset, default_multimodal_dataset)
 convert_to_webdataset([default_multimodal_dataset() / "conversations.jsonl"], "outputs/vlm-shards")
-data = PackedMultimodalDataset("outputs/vlm-shards", seq_len=1024, dp_rank=0, dp_size=1, seed=0)
+data = PackedMultimodalDataset("outputs/vlm-shards", seq_length=1024, dp_rank=0, dp_size=1, seed=0)
 batch = next(iter(data))   # tokens, labels, loss_mask, position_ids, cu_seqlens, max_seqlen,
                            # pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
 """

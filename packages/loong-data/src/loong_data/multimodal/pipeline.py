@@ -11,7 +11,7 @@ Per epoch ``e`` (all seeded by ``seed + e``, so every run and every rank agrees)
    media's token counts and its loss mask set on assistant tokens; too long samples follow
    ``overflow``;
 4. ``pack_buffer`` samples at a time are packed (first-fit decreasing by default) into sequences
-   of at most ``seq_len`` tokens; pixels are resized and patchified only for packs that are
+   of at most ``seq_length`` tokens; pixels are resized and patchified only for packs that are
    yielded, so skipping packs to resume (``start_pack``) reads and tokenises but does not
    preprocess images.
 
@@ -136,7 +136,7 @@ def encode_sample(
     tokenizer: ChatTokenizer,
     config: VisionProcessorConfig,
     *,
-    seq_len: int,
+    seq_length: int,
     overflow: str = "truncate",
 ) -> MultimodalSample | None:
     """A :class:`MultimodalSample` of one raw WebDataset sample (``__key__``, ``__url__``, ``json``,
@@ -164,18 +164,18 @@ def encode_sample(
         ids, mask = tokenizer.encode(messages, [config.num_tokens(g) for g in grids])
     except (MultimodalDataError, ConversationError, ValueError) as e:
         raise MultimodalDataError(f"sample {key}: {e}") from e
-    if len(ids) - 1 > seq_len:
+    if len(ids) - 1 > seq_length:
         if overflow == "error":
             raise MultimodalDataError(
-                f"sample {key}: {len(ids) - 1} tokens, more than seq_len {seq_len} "
+                f"sample {key}: {len(ids) - 1} tokens, more than seq_length {seq_length} "
                 "(overflow='truncate' or 'skip' to go on)"
             )
         if overflow == "skip":
-            logger.warning("skipped sample %s: %d tokens > seq_len %d", key, len(ids) - 1, seq_len)
+            logger.warning("skipped sample %s: %d tokens > seq_length %d", key, len(ids) - 1, seq_length)
             return None
-        ids, mask, kept = _truncate(ids, mask, seq_len + 1, tokenizer)
+        ids, mask, kept = _truncate(ids, mask, seq_length + 1, tokenizer)
         media, grids = media[:kept], grids[:kept]
-        logger.warning("truncated sample %s to seq_len %d (%d of its media kept)", key, seq_len, kept)
+        logger.warning("truncated sample %s to seq_length %d (%d of its media kept)", key, seq_length, kept)
         if not any(mask[1:]):
             logger.warning("skipped sample %s: no assistant token left after truncation", key)
             return None
@@ -249,10 +249,10 @@ class PackedMultimodalDataset(torch.utils.data.IterableDataset):
     list of shards. ``tokenizer``: a :class:`ChatTokenizer` or an HF tokenizer folder (default:
     the bundled chat tokenizer). ``on_error="skip"`` drops samples with bad media (logged and
     counted in :attr:`num_bad`) instead of raising. ``overflow``: what to do with a sample longer
-    than ``seq_len``: ``truncate`` (cut at ``seq_len``, never inside an image; media that do not fit
+    than ``seq_length``: ``truncate`` (cut at ``seq_length``, never inside an image; media that do not fit
     are dropped), ``skip`` or ``error``. ``start_pack`` skips that many packs (resume after
-    ``start_pack`` consumed micro-batches). With ``pad_to_seq_len`` every pack is padded to
-    ``seq_len`` tokens (static shapes). With DataLoader workers, worker ``w`` of ``W`` yields
+    ``start_pack`` consumed micro-batches). With ``pad_to_seq_length`` every pack is padded to
+    ``seq_length`` tokens (static shapes). With DataLoader workers, worker ``w`` of ``W`` yields
     packs ``w, w + W, ...``, which the DataLoader interleaves back into the same order.
     """
 
@@ -261,7 +261,7 @@ class PackedMultimodalDataset(torch.utils.data.IterableDataset):
         shards: str | Path | Sequence[str | Path],
         tokenizer: ChatTokenizer | str | Path | None = None,
         *,
-        seq_len: int,
+        seq_length: int,
         processor: VisionProcessorConfig | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
@@ -271,7 +271,7 @@ class PackedMultimodalDataset(torch.utils.data.IterableDataset):
         packing: str = "ffd",
         on_error: str = "raise",
         overflow: str = "truncate",
-        pad_to_seq_len: bool = True,
+        pad_to_seq_length: bool = True,
         start_pack: int = 0,
     ) -> None:
         if on_error not in ON_ERROR:
@@ -280,18 +280,18 @@ class PackedMultimodalDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"overflow must be one of {OVERFLOW}, got {overflow!r}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
-        if seq_len < 2 or shuffle_buffer < 1 or pack_buffer < 1 or start_pack < 0:
-            raise ValueError("seq_len >= 2, shuffle_buffer >= 1, pack_buffer >= 1, start_pack >= 0 required")
+        if seq_length < 2 or shuffle_buffer < 1 or pack_buffer < 1 or start_pack < 0:
+            raise ValueError("seq_length >= 2, shuffle_buffer >= 1, pack_buffer >= 1, start_pack >= 0 required")
         self.shards = list_shards(shards)
         self.tokenizer = tokenizer if isinstance(tokenizer, ChatTokenizer) else load_chat_tokenizer(tokenizer)
         self.processor = processor or VisionProcessorConfig()
-        self.seq_len, self.dp_rank, self.dp_size, self.seed = seq_len, dp_rank, dp_size, seed
+        self.seq_length, self.dp_rank, self.dp_size, self.seed = seq_length, dp_rank, dp_size, seed
         self.shuffle_buffer, self.pack_buffer = shuffle_buffer, pack_buffer
         self.strategy = packing_strategy(packing)
-        self.on_error, self.overflow, self.pad_to_seq_len, self.start_pack = (
+        self.on_error, self.overflow, self.pad_to_seq_length, self.start_pack = (
             on_error,
             overflow,
-            pad_to_seq_len,
+            pad_to_seq_length,
             start_pack,
         )
         self.num_bad = 0
@@ -330,7 +330,7 @@ class PackedMultimodalDataset(torch.utils.data.IterableDataset):
         for raw in self.raw_samples(epoch):
             try:
                 sample = encode_sample(
-                    raw, self.tokenizer, self.processor, seq_len=self.seq_len, overflow=self.overflow
+                    raw, self.tokenizer, self.processor, seq_length=self.seq_length, overflow=self.overflow
                 )
             except MultimodalDataError as e:
                 if self.on_error == "raise":
@@ -342,7 +342,7 @@ class PackedMultimodalDataset(torch.utils.data.IterableDataset):
                 yield sample
 
     def packs(self) -> Iterator[list[MultimodalSample]]:
-        """Packs (lists of samples, at most ``seq_len`` tokens together), forever."""
+        """Packs (lists of samples, at most ``seq_length`` tokens together), forever."""
         epoch = 0
         while True:
             produced = False
@@ -364,14 +364,14 @@ class PackedMultimodalDataset(torch.utils.data.IterableDataset):
             epoch += 1
 
     def _pack(self, buffer: list[MultimodalSample]) -> Iterator[list[MultimodalSample]]:
-        for pack in self.strategy.pack([len(s) for s in buffer], self.seq_len):
+        for pack in self.strategy.pack([len(s) for s in buffer], self.seq_length):
             yield [buffer[i] for i in pack]
 
     def collate(self, pack: Sequence[MultimodalSample]) -> dict:
         return collate_multimodal(
             pack,
             self.processor,
-            capacity=self.seq_len if self.pad_to_seq_len else None,
+            capacity=self.seq_length if self.pad_to_seq_length else None,
             pad_id=self.tokenizer.pad_id,
         )
 

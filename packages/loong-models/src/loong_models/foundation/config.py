@@ -220,3 +220,8 @@ class FoundationConfig:
     def num_active_parameters(self, include_embedding: bool = True) -> int:
         """Parameters used per token (equals :meth:`num_parameters` for a dense model)."""
         return self.num_parameters(include_embedding, active=True)
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token (DESIGN.md): 6 N for the weights a token uses (active
+        parameters of an MoE) + 6 L h s for causal attention over ``seq_length`` tokens."""
+        return 6 * self.num_active_parameters() + 6 * self.num_layers * self.hidden_size * seq_length

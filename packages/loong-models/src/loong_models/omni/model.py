@@ -18,6 +18,8 @@ from loong_models.image_encoder import ImageEncoder
 from loong_models.image_projector import ImageProjector
 from loong_models.omni.mrope import VisionTokenIds, mrope_positions
 
+# The media inputs of forward(), as micro-batches carry them (loong_data.multimodal collates them).
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 class OmniCombinationModel(MegatronModule):
     """Modules: ``foundation`` (megatron GPTModel), ``image_encoder`` and ``image_projector``

@@ -1,20 +1,20 @@
-"""Helpers and fixtures shared by loong-ckpt's tests. Test modules import them explicitly (there is
-deliberately no conftest.py here: tests/ imports its own `conftest` by name, and two conftest
-modules collected in one run clash on that name). The root pytest config puts this folder on
-the path."""
+"""Test helpers of loong-ckpt, importable by any test: tiny HF models made with transformers
+(:mod:`loong_ckpt.testing.hf_models`), their converted checkpoints and reference logits, and Loong
+logits at a TP / PP / EP layout (:mod:`loong_ckpt.testing.parity_worker`, under torchrun).
+Needs the test dependencies (pytest, transformers)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hf_models import hf_logits, hf_vlm_logits, make_hf_model, make_hf_vlm, vlm_inputs
 
-HERE = Path(__file__).parent
+from loong_ckpt.testing.hf_models import hf_logits, hf_vlm_logits, make_hf_model, make_hf_vlm, vlm_inputs
+from loong_xpu.testing import launch_env
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 MOE_FAMILIES = ("qwen3-moe", "deepseek-v3")  # checked at EP=2 (not TP/PP) under torchrun
 TIED = {"qwen3"}  # one family with tied embeddings covers that path (no output_layer key)
@@ -29,13 +29,6 @@ class Converted:
     ref: torch.Tensor  # HF logits for the tokens
 
 
-def worker_env() -> dict[str, str]:
-    env = dict(os.environ, LOONG_DEVICE="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def run_workers(
     jobs: list[tuple[Path, Path, Path]], *, tp: int, pp: int, ep: int = 1, read_log: Path | None = None,
     encoder_tp: int | None = None,
@@ -43,7 +36,7 @@ def run_workers(
     """Loong logits of each (source, tokens, out) job at TP x PP (x EP), in one torchrun launch;
     ``read_log``: a directory where each rank lists the HF tensors it read; ``encoder_tp``: a VLM
     image encoder's own TP size."""
-    script = [str(HERE / "parity_worker.py"), "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+    script = ["-m", "loong_ckpt.testing.parity_worker", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
     script += ["--read-log", str(read_log)] if read_log else []
     script += ["--encoder-tp", str(encoder_tp)] if encoder_tp is not None else []
     script += [str(x) for job in jobs for x in job]
@@ -54,7 +47,7 @@ def run_workers(
         "--standalone",
         f"--nproc-per-node={tp * pp * ep}",
     ]
-    proc = subprocess.run([*launcher, *script], env=worker_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*launcher, *script], env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out) for _, _, out in jobs]
 
@@ -62,9 +55,9 @@ def run_workers(
 def logits_in_process(source: Path, tokens: Path) -> torch.Tensor:
     """Loong logits at TP = PP = 1 in this process (a world of one, torn down afterwards)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from parity_worker import loong_logits
 
     from loong_ckpt.mcore_io import _single_process_megatron
+    from loong_ckpt.testing.parity_worker import loong_logits
 
     with _single_process_megatron():
         model_parallel_cuda_manual_seed(0)

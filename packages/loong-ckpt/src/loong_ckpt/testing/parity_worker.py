@@ -1,6 +1,6 @@
 """Loong logits of converted checkpoints (or HF dirs, loaded online) at a TP / PP layout.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 parity_worker.py --tp 2 --pp 1 [--ep 1] \
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m loong_ckpt.testing.parity_worker --tp 2 --pp 1 [--ep 1] \
         <checkpoint or HF dir> <tokens.pt> <logits-out.pt> [<source> <tokens> <out> ...]
 
 With ``--ep N`` (MoE models) the world has tp * pp * N ranks: data parallel N, experts split N ways;

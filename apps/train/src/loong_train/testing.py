@@ -4,11 +4,12 @@ gloo) and read back what it wrote. Shared by the cross-package tests."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from loong_xpu.testing import launch_env
 
 # A ~0.1M-parameter model and short sequences: a step takes milliseconds on a 2-core CPU.
 TINY = [
@@ -57,13 +58,6 @@ def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
     ]  # fmt: skip
 
 
-def env_for_train(device: str = "cpu") -> dict[str, str]:
-    env = dict(os.environ, LOONG_DEVICE=device, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def make_runner(base: Path, data_cache: Path, defaults: list[str] = TINY):
     """runner(overrides, nproc=1, name="run") -> Run, writing into base/name; ``defaults`` come
     before ``overrides`` (TINY: a tiny Llama-style model and short runs)."""
@@ -72,22 +66,9 @@ def make_runner(base: Path, data_cache: Path, defaults: list[str] = TINY):
         out = base / name
         args = [*defaults, f"data.cache_dir={data_cache}", f"train.output_dir={out}", *overrides]
         proc = subprocess.run(
-            train_command(args, nproc), cwd=base, env=env_for_train(device),
+            train_command(args, nproc), cwd=base, env=launch_env(device),
             capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
         return Run(proc.returncode, proc.stdout, proc.stderr, out)
 
     return _run
-
-
-def live_session_processes(sid: int) -> list[int]:
-    """Processes of session ``sid`` that are still running (zombies, already dead, excluded)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
-        except OSError:
-            continue  # exited while we looked
-        if int(fields[3]) == sid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive

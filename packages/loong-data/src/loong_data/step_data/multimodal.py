@@ -1,0 +1,158 @@
+"""Multimodal step data (``data.kind=multimodal``): conversations with images / videos.
+
+Each step takes the next ``global_batch_size`` samples of one seeded sample stream (the same on
+every rank); DP rank ``r`` keeps the ``r``-th slice, packs it into ``seq_length``-token THD
+micro-batches and preprocesses only its own images. So a DP=N run sees the global batches of the
+single-process run, and resuming at step ``s`` skips exactly ``s * global_batch_size`` samples
+(tokenised and their images decoded, not resized/patchified): the streaming position resumes
+exactly. The price: every rank reads (and decodes) every sample; shard-level DP splitting
+(``PackedMultimodalDataset(dp_rank=...)``) would avoid it but does not keep the global batches of
+a different DP size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loong_data.log import logger
+from loong_data.multimodal.chat import ChatTokenizer, load_chat_tokenizer
+from loong_data.multimodal.pipeline import MultimodalSample, PackedMultimodalDataset, list_shards
+from loong_data.multimodal.processor import VisionProcessorConfig
+from loong_data.packing import packing_strategy
+from loong_data.step_data.config import DataConfig
+from loong_data.step_data.layout import DataError, StepCounts, StepLayout
+from loong_data.step_data.shards import convert_sources
+
+
+@dataclass(frozen=True)
+class PatchGeometry:
+    """How the model cuts images into patches (its image encoder's sizes)."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+
+
+@dataclass
+class MultimodalStepData:
+    tokenizer: ChatTokenizer
+    processor: VisionProcessorConfig
+    train_shards: list[Path]
+    val_shards: list[Path]
+    seq_length: int
+    layout: StepLayout
+    shuffle_buffer: int
+    strategy: str
+    _eval: list[dict] | None = field(default=None, repr=False)
+
+    def _dataset(self, shards: list[Path], shuffle_buffer: int) -> PackedMultimodalDataset:
+        return PackedMultimodalDataset(shards, self.tokenizer, seq_length=self.seq_length, processor=self.processor,
+                                       seed=self.layout.seed, shuffle_buffer=max(1, shuffle_buffer))  # fmt: skip
+
+    def _pack(self, ds: PackedMultimodalDataset, samples: list[MultimodalSample]) -> list[dict]:
+        packs = packing_strategy(self.strategy).pack([len(s) for s in samples], self.seq_length)
+        return [ds.collate([samples[i] for i in pack]) for pack in packs]
+
+    def train_steps(self, start_step: int = 0, balancer: Any = None) -> Iterator[list[dict]]:
+        """For each step from ``start_step``: this DP rank's packed micro-batches."""
+        if balancer is not None:
+            raise DataError("DP load balancing is not supported with data.kind=multimodal yet")
+        lay = self.layout
+        ds = self._dataset(self.train_shards, self.shuffle_buffer)
+        stream = _forever(ds)
+        skip = start_step * lay.global_batch_size
+        if skip:
+            logger.info("resuming the multimodal stream: skipping %d samples", skip)
+            for _ in islice(stream, skip):
+                pass
+        per_rank = lay.global_batch_size // lay.dp_size
+        while True:
+            step = list(islice(stream, lay.global_batch_size))
+            yield self._pack(ds, step[lay.dp_rank * per_rank : (lay.dp_rank + 1) * per_rank])
+
+    def eval_microbatches(self) -> list[dict]:
+        """This rank's share of the first held-out samples (the same every time)."""
+        if self._eval is None:
+            lay = self.layout
+            num_samples = lay.eval_iters * lay.micro_batch_size * lay.dp_size
+            ds = self._dataset(self.val_shards, 1)
+            samples = list(islice(_forever(ds), num_samples))
+            per_rank = num_samples // lay.dp_size
+            self._eval = self._pack(ds, samples[lay.dp_rank * per_rank : (lay.dp_rank + 1) * per_rank])
+        return self._eval
+
+    def counts(self, microbatches: list[dict], loss_tokens: int) -> StepCounts:
+        """Real tokens (padding excluded, image tokens included; the loss counts only assistant
+        tokens), images + videos and ViT patches of the step, summed over the DP group (a collective)."""
+        tokens = images = patches = 0
+        for mb in microbatches:
+            cu, ids = mb["cu_seqlens"], mb["tokens"][0]
+            tail = slice(int(cu[-2]), int(cu[-1]))
+            padded = len(cu) > 2 and bool((ids[tail] == self.tokenizer.pad_id).all()) and not bool(
+                mb["loss_mask"][0, tail].any()
+            )
+            tokens += int(cu[-2]) if padded else int(ids.shape[0])
+            for key in ("image_grid_thw", "video_grid_thw"):
+                if key in mb and len(mb[key]):
+                    images += int(mb[key].shape[0])
+                    patches += int(mb[key].prod(dim=1).sum())
+        t = torch.tensor([tokens, images, patches], dtype=torch.float64, device=self.layout.device)
+        dist.all_reduce(t, group=self.layout.dp_group)
+        tokens, images, patches = (int(x) for x in t.tolist())
+        return StepCounts(tokens=tokens, images=images, patches=patches)
+
+
+def _forever(ds: PackedMultimodalDataset) -> Iterator[MultimodalSample]:
+    epoch = 0
+    while True:
+        any_sample = False
+        for sample in ds.samples(epoch):
+            any_sample = True
+            yield sample
+        if not any_sample:
+            raise DataError(f"no usable sample in the shards {', '.join(map(str, ds.shards))}")
+        epoch += 1
+
+
+def _shard_folder(cfg: DataConfig, seed: int, is_main: bool) -> Path:
+    """``data.multimodal.shards``, or the JSONL sources converted on the main rank first."""
+    if cfg.multimodal.shards:
+        return Path(cfg.multimodal.shards)
+    folder = convert_sources(cfg.multimodal, cfg.cache_dir, seed) if is_main else None
+    if dist.is_initialized():
+        box = [str(folder) if folder else None]
+        dist.broadcast_object_list(box, src=0)
+        folder = Path(box[0])
+    return folder
+
+
+def load_multimodal_data(cfg: DataConfig, layout: StepLayout, patches: PatchGeometry, *, is_main: bool
+                         ) -> MultimodalStepData:  # fmt: skip
+    """Tokenizer, processor and train / held-out shards (converting on the main rank first)."""
+    try:
+        tokenizer = load_chat_tokenizer(cfg.tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r}: {e}") from None
+    mm = cfg.multimodal
+    folder = _shard_folder(cfg, layout.seed, is_main)
+    try:
+        shards = list_shards(folder)
+    except FileNotFoundError as e:
+        raise DataError(f"data.multimodal.shards: {e}") from None
+    if len(shards) <= mm.val_shards:
+        raise DataError(f"data.multimodal.val_shards={mm.val_shards} leaves no training shard of the "
+                        f"{len(shards)} in {folder} (lower data.multimodal.samples_per_shard)")  # fmt: skip
+    processor = VisionProcessorConfig(
+        patch_size=patches.patch_size, temporal_patch_size=patches.temporal_patch_size,
+        merge_size=patches.merge_size, min_pixels=mm.min_pixels, max_pixels=mm.max_pixels,
+        video_min_pixels=mm.video_min_pixels, video_max_pixels=mm.video_max_pixels,
+    )  # fmt: skip
+    return MultimodalStepData(tokenizer, processor, shards[: -mm.val_shards], shards[-mm.val_shards :],
+                              cfg.seq_length, layout, mm.shuffle_buffer, cfg.thd.strategy)  # fmt: skip

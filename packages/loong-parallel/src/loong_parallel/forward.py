@@ -1,0 +1,45 @@
+"""The language-model forward step in megatron's ``forward_step_func`` protocol: per-token LM
+loss on the last stage, hidden states elsewhere. One function for GPT models and VLMs: what
+differs (packed sequences, images) is carried by the micro-batch."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from loong_models.omni import MEDIA_KEYS
+from loong_models.packed_seq import packed_seq_params
+from loong_parallel.step import LOSS_KEY
+
+
+def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_plan: bool = False):
+    """Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document. Multimodal
+    batches also carry images / videos (``MEDIA_KEYS``), which go to the model as keywords.
+    ``return_schedule_plan``: megatron's combined 1F1B schedule (MoE all-to-all overlap) asks for
+    the model's schedule plan of this micro-batch instead of running its forward."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    packed = None
+    if "cu_seqlens" in batch:
+        packed = packed_seq_params(batch["cu_seqlens"].to(device, non_blocking=True), batch["max_seqlen"])
+    media = {key: batch[key].to(device, non_blocking=True) for key in MEDIA_KEYS
+             if key in batch and batch[key].numel()}  # a pack without images has empty tensors  # fmt: skip
+    run = model.build_schedule_plan if return_schedule_plan else model
+    output = run(
+        tokens,
+        batch["position_ids"].to(device, non_blocking=True),
+        None,  # causal mask is implied by the layer spec
+        labels=batch["labels"].to(device, non_blocking=True),
+        packed_seq_params=packed,
+        **media,
+    )
+    return output, partial(masked_token_loss, batch["loss_mask"].to(device, non_blocking=True))
+
+
+def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """megatron's loss_func with ``calculate_per_token_loss``: (sum, count, {LOSS_KEY: [sum, count]})."""
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (per_token_loss.reshape(-1).float() * mask).sum()
+    num_tokens = mask.sum()
+    return loss_sum, num_tokens.to(torch.int), {LOSS_KEY: torch.stack([loss_sum.detach(), num_tokens])}

@@ -1,0 +1,108 @@
+"""Model kinds: what a training run needs from a kind of model, behind one interface.
+
+The trainer builds, steps and measures any :class:`ModelKind` the same way; what differs between
+kinds (the forward step and its inputs, the FLOP count, the transformer config) lives here, never
+in the loop. :class:`LanguageModel` covers the zoo's models (GPT LLMs, MoE, VLMs); a new kind (a
+DiT, a VLA) is a class with the same methods, passed to the trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loong_models import ModelConfig, build_model, build_transformer_config, fusion_fields, resolve_backend
+from loong_parallel.component_groups import image_encoder_process_groups
+from loong_parallel.config import ParallelConfig
+from loong_parallel.forward import lm_forward_step
+from loong_parallel.model import ModelProvider
+from loong_parallel.moe import RouterStats
+from loong_parallel.runtime import runtime_transformer_fields
+
+
+class ModelKind(Protocol):
+    """What the trainer asks of a model: build it, step it, count its work."""
+
+    backend: str  # the resolved layer backend (for the log)
+
+    def transformer_config(self, parallel: ParallelConfig, *, dtype: torch.dtype, device_type: str
+                           ) -> TransformerConfig: ...  # fmt: skip
+
+    def provider(self, config: TransformerConfig, parallel: ParallelConfig, *, device_type: str
+                 ) -> ModelProvider: ...  # fmt: skip
+
+    def forward_step(self, device: torch.device) -> Callable:
+        """megatron's ``forward_step_func(data_iterator, model, return_schedule_plan=False)``."""
+
+    def flops(self, *, tokens: int, patches: int, seq_length: int) -> float: ...
+
+    def cost_shape(self) -> dict[str, int]:
+        """``num_parameters``, ``num_layers``, ``attention_width``: the balancer's cost model."""
+
+    def step_stats(self, chunks: list[torch.nn.Module], config: TransformerConfig, device: torch.device
+                   ) -> RouterStats | None: ...  # fmt: skip
+
+    def describe(self) -> str: ...
+
+
+@dataclass
+class LanguageModel:
+    """The zoo's models (``loong_models.ModelConfig``): GPT LLMs (dense or MoE) and VLMs."""
+
+    cfg: ModelConfig
+    backend: str
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, device_type: str) -> LanguageModel:
+        """Resolves the layer backend, once for every component."""
+        return cls(cfg, resolve_backend(cfg.layer_backend, device_type))
+
+    def transformer_config(self, parallel: ParallelConfig, *, dtype: torch.dtype, device_type: str
+                           ) -> TransformerConfig:  # fmt: skip
+        """The foundation's config; the layout and layer backend decide the rest (CUDA-only
+        options, grouped-GEMM experts)."""
+        return build_transformer_config(self.cfg.foundation,
+                                        **runtime_transformer_fields(parallel, dtype=dtype, device_type=device_type),
+                                        **fusion_fields(self.backend))  # fmt: skip
+
+    def provider(self, config: TransformerConfig, parallel: ParallelConfig, *, device_type: str) -> ModelProvider:
+        """Collective: a VLM's image encoder may get its own process groups."""
+        groups = image_encoder_process_groups(self.cfg, parallel.tp)
+
+        def build(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
+            return build_model(self.cfg, config, device_type=device_type, pre_process=pre_process,
+                               post_process=post_process, vp_stage=vp_stage, encoder_pg_collection=groups,
+                               layer_backend=self.backend)  # fmt: skip
+
+        return build
+
+    def forward_step(self, device: torch.device) -> Callable:
+        return partial(lm_forward_step, device)
+
+    def flops(self, *, tokens: int, patches: int, seq_length: int) -> float:
+        return self.cfg.training_flops(tokens=tokens, seq_length=seq_length, patches=patches)
+
+    def cost_shape(self) -> dict[str, int]:
+        f = self.cfg.foundation
+        return dict(num_parameters=f.num_active_parameters(), num_layers=f.num_layers,
+                    attention_width=f.num_attention_heads * f.head_dim)  # fmt: skip
+
+    def step_stats(self, chunks: list[torch.nn.Module], config: TransformerConfig, device: torch.device
+                   ) -> RouterStats | None:  # fmt: skip
+        """MoE models report their routers' statistics."""
+        return RouterStats(chunks, config, device) if self.cfg.foundation.moe else None
+
+    def describe(self) -> str:
+        f, m = self.cfg.foundation, self.cfg
+        n_params, n_active = f.num_parameters(), f.num_active_parameters()
+        moe = f"{n_active / 1e6:.1f}M active, {f.moe.num_experts} experts top-{f.moe.router_topk}, " if f.moe else ""
+        vision = ""
+        if m.is_multimodal:
+            vision = f"; + {(m.num_parameters() - n_params) / 1e6:.2f}M image encoder + projector"
+        lora = f" | LoRA rank {m.lora.rank} on {', '.join(m.lora.targets)}" if m.lora else ""
+        return f"{f.family} ({n_params / 1e6:.1f}M params, {moe}{f.num_layers} layers{vision}){lora}"

@@ -1,0 +1,51 @@
+"""The repository's shape rules that a reader relies on, checked on every run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FUNCTION_LINES = 100  # a function fits on a screen (STYLE.md); the repo's median is far less
+APP_MAX_LINES = 710  # the train app composes the packages; anything bigger belongs in one of them
+
+
+def _sources(*roots: str) -> list[Path]:
+    return sorted(p for r in roots for p in (ROOT / r).rglob("*.py") if ".venv" not in p.parts)
+
+
+def function_lengths(paths: list[Path]) -> list[tuple[int, str]]:
+    """(lines, "file:line name") of every function and method, longest first."""
+    rows = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                rows.append((node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"))
+    return sorted(rows, reverse=True)
+
+
+def test_no_function_is_longer_than_a_screen():
+    too_long = [row for row in function_lengths(_sources("packages", "apps", "bench", "tests"))
+                if row[0] > MAX_FUNCTION_LINES]  # fmt: skip
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+def test_the_train_app_stays_a_composition_root():
+    lines = sum(len(p.read_text().splitlines()) for p in _sources("apps/train/src"))
+    assert lines <= APP_MAX_LINES, f"apps/train/src has {lines} lines (at most {APP_MAX_LINES})"
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_train_app_does_not_import_megatron():
+    offenders = [f"{p.relative_to(ROOT)}: {m}" for p in _sources("apps/train/src") for m in imported_modules(p)
+                 if m.split(".")[0] == "megatron"]  # fmt: skip
+    assert not offenders, f"megatron is loong-parallel's / loong-models' business, not the app's: {offenders}"
