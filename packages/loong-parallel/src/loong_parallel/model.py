@@ -26,7 +26,7 @@ def build_model_chunks(
     """One chunk per virtual pipeline stage (one in all without interleaving), on the device,
     wrapped in DDP. Also installs the gradient hooks megatron's schedules call into ``config``."""
     if _stages_in_order(pcfg, config):
-        chunks = [_build_as_one_process(provider, pcfg.pp).to(accel.device())]
+        chunks = [_build_as_one_process(provider, pcfg.pp, config).to(accel.device())]
     else:
         chunks = []
         for vp in range(pcfg.vpp or 1):
@@ -67,24 +67,25 @@ def _stages_in_order(pcfg: ParallelConfig, config: TransformerConfig) -> bool:
     return pcfg.pp > 1 and not pcfg.vpp and config.use_cpu_initialization
 
 
-def _build_as_one_process(provider: ModelProvider, pp: int) -> torch.nn.Module:
-    """This rank's stage, built after (and before) the other stages are built and dropped, so that
-    the host RNG stream runs as in one process: embedding, layer 1..L, output layer. Stages hold
+def _build_as_one_process(provider: ModelProvider, pp: int, config: TransformerConfig) -> torch.nn.Module:
+    """This rank's stage, built after the stages before it are built and dropped, so that the host
+    RNG stream runs as in one process: embedding, layer 1..L, output layer. Stages hold
     equal layer counts of one shape, so another stage's draws are this rank's layers' (built with
     its own layer offset) plus the embedding / output layer where ``pre`` / ``post`` say so.
     Costs transient host copies of the model; only used with host initialisation.
 
-    Tied embeddings are the exception: megatron all-reduces the shared weight between the first
-    and last stage while building them, so building another rank's stage would add into it. Every
-    rank builds its own stage first (those reductions match), and keeps it if it ties."""
-    rank, start = mpu.get_pipeline_model_parallel_rank(), torch.get_rng_state()
-    own = provider(rank == 0, rank == pp - 1, None)
-    if any(getattr(m, "share_embeddings_and_output_weights", False) for m in own.modules()):
-        return own  # the same on every rank (one model config): layout-dependent init, as megatron's
-    del own
-    torch.set_rng_state(start)
-    for stage in range(pp):
-        module = provider(stage == 0, stage == pp - 1, None)
+    With tied embeddings megatron all-reduces the shared weight between the first and the last
+    stage while building them (the last stage's copy starts at zero): only the rank's own stage
+    may take part, so the others are built with ``init_model_with_meta_device`` set, the flag
+    that skips that reduction (it changes nothing else on the host path)."""
+    rank, own = mpu.get_pipeline_model_parallel_rank(), None
+    skip_sync = config.init_model_with_meta_device
+    for stage in range(rank + 1):
+        config.init_model_with_meta_device = skip_sync or stage != rank
+        try:
+            module = provider(stage == 0, stage == pp - 1, None)
+        finally:
+            config.init_model_with_meta_device = skip_sync
         if stage == rank:
             own = module
         del module
