@@ -141,6 +141,62 @@ def hf_inputs(mb: dict, image_token_id: int, video_token_id: int) -> dict:
     return out
 
 
+def unpack(mb: dict, pad_id: int, image_token_id: int, video_token_id: int, merge: int) -> list[dict]:
+    """The samples of a packed micro-batch, each with its own images / videos (as an HF user's
+    dataset yields them): tokens by ``cu_seqlens`` (the padding tail dropped), pixel rows and
+    grids by the placeholder tokens each sample holds."""
+    cu = [int(x) for x in mb["cu_seqlens"].tolist()]
+    tokens = mb["tokens"][0]
+    media = {}
+    for kind, token_id, pixels, grid in (("image", image_token_id, "pixel_values", "image_grid_thw"),
+                                         ("video", video_token_id, "pixel_values_videos", "video_grid_thw")):  # fmt: skip
+        grids = mb[grid].tolist() if grid in mb else []
+        media[kind] = (token_id, pixels, grid, grids, [0, 0])  # next grid row, next pixel row
+    out = []
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        if not bool(mb["loss_mask"][0, lo:hi].any()) and bool((tokens[lo:hi] == pad_id).all()):
+            continue  # the padding tail
+        sample = {k: mb[k][0, lo:hi] for k in ("tokens", "labels", "loss_mask")}
+        for token_id, pixels, grid, grids, cursor in media.values():
+            want = int((tokens[lo:hi] == token_id).sum())
+            g0, p0 = cursor
+            while want > 0:
+                t, h, w = grids[cursor[0]]
+                want -= t * h * w // merge**2
+                cursor[0] += 1
+                cursor[1] += t * h * w
+            sample[grid] = mb[grid][g0 : cursor[0]]
+            sample[pixels] = mb[pixels][p0 : cursor[1]]
+        out.append(sample)
+    return out
+
+
+def hf_batch(samples: list[dict], pad_id: int, image_token_id: int, video_token_id: int) -> dict:
+    """Samples as one HF batch, the way an HF user batches them: right-padded to the longest
+    sample (+1: the slot where HF's shifted labels keep each sample's last target) with an
+    attention mask, labels -100 on padding and outside the loss mask (shifted as in
+    :func:`hf_inputs`), pixels of all samples concatenated in order."""
+    import torch
+
+    longest = max(int(s["tokens"].shape[0]) for s in samples) + 1
+    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), longest), -100, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = int(s["tokens"].shape[0])
+        ids[i, :n], mask[i, :n] = s["tokens"], 1
+        targets = torch.where(s["loss_mask"] > 0, s["labels"], torch.full_like(s["labels"], -100))
+        labels[i, 1 : n + 1] = targets
+    mm_types = (ids == image_token_id).int() + 2 * (ids == video_token_id).int()
+    out = {"input_ids": ids, "attention_mask": mask, "labels": labels, "mm_token_type_ids": mm_types}
+    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        parts = [s[pixels] for s in samples if pixels in s and s[pixels].numel()]
+        if parts:
+            out[pixels] = torch.cat(parts)
+            out[grid] = torch.cat([s[grid] for s in samples if grid in s and s[grid].numel()])
+    return out
+
+
 # --- the data: real bundled images at a fixed resolution, several per sample, real captions ---------
 
 
@@ -233,7 +289,7 @@ def compose(overrides: list[str]):
 # --- the two stacks ------------------------------------------------------------------------------
 
 
-def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float]:
+def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float, list[dict]]:
     cmd = [
         sys.executable, "-m", "loong_train", "--config-name=vlm", *overrides, f"train.steps={args.steps}",
         "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false", "train.progress=false",
@@ -242,7 +298,8 @@ def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float
     ]  # fmt: skip
     print("loong:", " ".join(cmd[2:]), flush=True)
     train = run_train_app(cmd, out, label="loong run")
-    return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train)
+    counts = [{k: r[f"step_{k}"] for k in ("tokens", "images", "samples")} for r in train]
+    return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train), counts
 
 
 def hf_worker(args) -> None:
@@ -271,17 +328,27 @@ def hf_worker(args) -> None:
     )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times, counts = [], []
+    merge = cfg.model.image_encoder.spatial_merge_size
+
+    def hf_steps():  # an HF user's loader: the step's samples, batched and padded, prepared ahead
+        for mbs in batches:
+            samples = [s for mb in mbs for s in unpack(mb, data.tokenizer.pad_id, m.image_token_id,
+                                                         m.video_token_id, merge)]  # fmt: skip
+            hf = [hf_batch(samples[i : i + args.hf_batch_size], data.tokenizer.pad_id, m.image_token_id,
+                           m.video_token_id) for i in range(0, len(samples), args.hf_batch_size)]  # fmt: skip
+            yield mbs, samples, hf
+
+    steps = hf_steps()  # already prefetched by the train app's data path, like Loong's
     for _ in range(args.steps):
         sync()
         t0 = time.perf_counter()  # like the train app's step time: building the step's batches included
-        mbs = next(batches)
-        for mb in mbs:
-            inputs = {
-                k: v.to(device, non_blocking=True)
-                for k, v in hf_inputs(mb, m.image_token_id, m.video_token_id).items()
-            }
+        mbs, samples, hf = next(steps)
+        loss_tokens = sum(float(s["loss_mask"].sum()) for s in samples)
+        for batch in hf:
+            inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            weight = float((batch["labels"] != -100).sum()) / loss_tokens  # the step's per-token mean
             with torch.autocast(device, dtype=torch.bfloat16, enabled=args.hf_mode == "amp"):
-                loss = model(**inputs).loss / len(mbs)
+                loss = model(**inputs).loss * weight
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -290,8 +357,12 @@ def hf_worker(args) -> None:
         sync()
         times.append(time.perf_counter() - t0)
         c = step_counts(mbs, shape.vision, data.tokenizer.pad_id)
+        hf_tokens = sum(int(s["tokens"].shape[0]) for s in samples)
+        hf_images = sum(int(s["image_grid_thw"].shape[0]) for s in samples if "image_grid_thw" in s)
+        if (hf_tokens, hf_images) != (c.tokens, c.images):
+            raise SystemExit(f"HF batches hold {hf_tokens} tokens / {hf_images} images, the packs {c.tokens} / {c.images}")
         counts.append({"tokens": c.tokens, "images": c.images, "patches": c.patches, "vision_flops": c.vision_flops,
-                       "flops": shape.step_flops(c, cfg.data.seq_length)})  # fmt: skip
+                       "samples": len(samples), "flops": shape.step_flops(c, cfg.data.seq_length)})  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     print(json.dumps({"step_times": times, "counts": counts, "peak_gib": peak,
                       "params": sum(p.numel() for p in model.parameters())}))  # fmt: skip
@@ -299,7 +370,7 @@ def hf_worker(args) -> None:
 
 def run_hf(args, mode: str, overrides: list[str]) -> dict:
     cmd = [sys.executable, __file__, "--worker", "hf", "--hf-mode", mode, "--overrides", json.dumps(overrides),
-           f"--steps={args.steps}"]  # fmt: skip
+           f"--steps={args.steps}", f"--hf-batch-size={args.hf_batch_size}"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stderr[-6000:], file=sys.stderr)
@@ -354,6 +425,8 @@ def main() -> None:
         help="amp: fp32 weights + bf16 autocast (Loong's numerics); bf16: bf16 weights and optimizer",
     )
     p.add_argument("--model-overrides", nargs="*", default=[], help="model.* overrides for both stacks")
+    p.add_argument("--hf-batch-size", type=int, default=3,
+                   help="samples per HF micro-batch (padded to its longest sample, as an HF user batches)")
     p.add_argument("--skip-loong", action="store_true")
     p.add_argument("--loong-extra", nargs="*", default=[], help="extra overrides for the Loong run")
     p.add_argument("--worker", choices=["hf"], help=argparse.SUPPRESS)
@@ -372,12 +445,19 @@ def main() -> None:
         overrides = train_overrides(args, jsonl, work)
         rows = []
         if not args.skip_loong:  # first: it converts the data into the shared cache
-            times, peak = run_loong(args, overrides, work / "loong")
+            times, peak, loong_counts = run_loong(args, overrides, work / "loong")
             rows.append(Row("loong " + " ".join(args.loong_extra), times, peak))
         hf = {}
         for mode in args.hf_modes:
             hf = run_hf(args, mode, overrides)
-            rows.append(Row(f"hf transformers ({mode}, sdpa)", hf["step_times"], hf["peak_gib"]))
+            rows.append(Row(f"hf transformers ({mode}, sdpa, batches of {args.hf_batch_size})", hf["step_times"],
+                            hf["peak_gib"]))  # fmt: skip
+            if not args.skip_loong:  # the same samples, tokens and images, step by step
+                hf_counts = [{k: c[k] for k in ("tokens", "images", "samples")} for c in hf["counts"]]
+                if hf_counts != loong_counts:
+                    raise SystemExit(f"the stacks trained different data: loong {loong_counts} vs hf {hf_counts}")
+                print(f"same data in both stacks: {sum(c['samples'] for c in hf_counts)} samples, "
+                      f"{sum(c['tokens'] for c in hf_counts):,} tokens, {sum(c['images'] for c in hf_counts)} images")
     import torch
 
     cfg = compose(overrides)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 100  # a function fits on a screen (STYLE.md); the repo's median is far less
-APP_MAX_LINES = 710  # the train app composes the packages; anything bigger belongs in one of them
+APP_MAX_LINES = 700  # the train app composes the packages; anything bigger belongs in one of them
 
 
 def _sources(*roots: str) -> list[Path]:

@@ -52,3 +52,28 @@ def test_balanced_loss_equals_unbalanced_loss(tmp_path, data_cache) -> None:
     assert all(r["dp_balance_skipped"] == "" for r in on)
     assert all(r["dp_imbalance"] < r["dp_imbalance_naive"] for r in on)
     assert sum(r["dp_imbalance_naive"] for r in on) / STEPS > 0.1
+
+
+@pytest.mark.dist
+def test_balanced_multimodal_loss_equals_unbalanced_loss(tmp_path, data_cache) -> None:
+    """The tiny VLM on the bundled images and captions at DP=4: the balancer plans each step from
+    the samples' LLM tokens and ViT patches (refitted from the measured times as they come) and the
+    losses match. That a refit changes the plan is packages/loong-parallel/tests/test_balance_multimodal.py."""
+    overrides = [
+        "--config-name=vlm", f"data.cache_dir={data_cache}", "train.global_batch_size=16",
+        "train.micro_batch_size=1", f"train.steps={STEPS}", "train.eval_iters=0", "train.save_final=false",
+        "train.tensorboard=false", "train.progress=false", "parallel.balance.min_imbalance=0.0",
+        "parallel.balance.refit_warmup_steps=1", "parallel.balance.refit_interval=1",
+    ]  # fmt: skip
+    out = tmp_path / "runs.json"
+    proc = torchrun("dp_balance_runs.py", str(out), *overrides, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    paths = json.loads(out.read_text())
+    off, on = ([json.loads(line) for line in Path(paths[k]).read_text().splitlines()] for k in ("off", "on"))
+    off, on = ([r for r in rows if r.get("split", "train") == "train"] for rows in (off, on))
+    assert [r["step"] for r in off] == [r["step"] for r in on] == list(range(1, STEPS + 1))
+    for a, b in zip(off, on):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), f"step {a['step']}"
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert all(r["dp_imbalance"] <= r["dp_imbalance_naive"] for r in on)
+    assert any(r["dp_imbalance"] < r["dp_imbalance_naive"] for r in on), "no step was rebalanced"

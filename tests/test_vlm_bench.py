@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 from vlm_flops import real_tokens, step_counts, vision_flops  # noqa: E402
-from vlm_throughput import bench_shape, hf_config, hf_inputs  # noqa: E402
+from vlm_throughput import bench_shape, hf_batch, hf_config, hf_inputs, unpack  # noqa: E402
 
 from loong_models import load_model_config
 
@@ -141,3 +141,40 @@ def test_bench_data_feeds_both_stacks_the_same_images(tmp_path):
     image_tokens = sum(int((mb["tokens"] == cfg.model.image_token_id).sum()) for mb in mbs)
     assert image_tokens == 12 * 4  # 16 patches / merge 2x2 per image
     assert sum(mb["pixel_values"].shape[0] for mb in mbs) == 12 * 16
+
+
+def _two_samples():
+    """A pack of two samples (the first with a 2x4-patch image, the second text only) + padding."""
+    tokens = torch.tensor([[5, VS, IMG, IMG, VE, 7, 8, 11, 12, 13, 0, 0]])
+    return {
+        "tokens": tokens,
+        "labels": torch.tensor([[VS, IMG, IMG, VE, 7, 8, 9, 12, 13, 14, 0, 0]]),
+        "loss_mask": torch.tensor([[0, 0, 0, 0, 1, 1, 1, 0, 1, 1, 0, 0]], dtype=torch.float32),
+        "cu_seqlens": torch.tensor([0, 7, 10, 12], dtype=torch.int32),
+        "pixel_values": torch.randn(8, TINY.vision.patch_dim),
+        "image_grid_thw": torch.tensor([[1, 2, 4]]),
+        "pixel_values_videos": torch.zeros(0, TINY.vision.patch_dim),
+        "video_grid_thw": torch.zeros(0, 3, dtype=torch.int64),
+    }
+
+
+def test_hf_batches_hold_the_packed_samples_and_give_their_loss():
+    """HF is fed the pack's samples as an HF user batches them (padded to the longest, attention
+    mask): the same tokens and images, and HF's loss is the mean over the same loss tokens as
+    each sample alone."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    mb = _two_samples()
+    samples = unpack(mb, 0, IMG, VID, merge=2)
+    assert [s["tokens"].tolist() for s in samples] == [[5, VS, IMG, IMG, VE, 7, 8], [11, 12, 13]]
+    assert samples[0]["image_grid_thw"].tolist() == [[1, 2, 4]] and samples[1]["image_grid_thw"].numel() == 0
+    assert torch.equal(samples[0]["pixel_values"], mb["pixel_values"])
+    batch = hf_batch(samples, 0, IMG, VID)
+    assert batch["attention_mask"].tolist() == [[1] * 7 + [0], [1] * 3 + [0] * 5]
+    assert batch["labels"].tolist() == [[-100, -100, -100, -100, -100, 7, 8, 9], [-100, -100, 13, 14] + [-100] * 4]
+    model = Qwen2_5_VLForConditionalGeneration(hf_config(TINY, IDS)).eval()
+    with torch.no_grad():
+        together = model(**batch).loss
+        alone = [model(**hf_batch([s], 0, IMG, VID)).loss for s in samples]
+    assert together.item() == pytest.approx(((3 * alone[0] + 2 * alone[1]) / 5).item(), rel=1e-5)

@@ -185,9 +185,9 @@ def test_alignment_phase_trains_only_the_projector(vlm_init, run_vlm):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_vlm_encoder_tp1_inside_tp2_matches_single_process(run_vlm):
-    """The image encoder replicated (TP=1) inside the foundation's TP=2. megatron's distributed
-    checkpointing refuses the replicated projector's tensors (duplicate replica ids, a loong-models
-    issue), so both runs start from the seed (the CPU init is layout independent) and save nothing."""
+    """The image encoder replicated (TP=1) inside the foundation's TP=2; both runs start from the
+    seed (the CPU init is layout independent). Saving, resuming and exporting this layout:
+    tests/test_vlm_layouts_ckpt.py."""
     common = ["train.steps=3", "train.eval_interval=0", "train.save_final=false"]
     single = run_vlm(common, name="single").check().losses()
     layout = ["parallel.tp=2", "model.image_encoder.tensor_model_parallel_size=1"]

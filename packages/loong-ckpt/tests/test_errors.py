@@ -174,11 +174,14 @@ def _edit_config(src: Path, dst: Path, **changes) -> Path:
         ("deepseek-v3", {"rope_interleave": False}, "rope_interleave=False is not supported for deepseek-v3"),
         ("deepseek-v3", {"q_lora_rank": None}, "q_lora_rank=None is not supported for deepseek-v3: MLA without a query latent builds"),
         ("deepseek-v3", {"topk_group": 2}, "topk_group=2 .*num_experts_per_tok / topk_group must be 2"),
-        ("deepseek-v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
-         "rope type 'yarn' is not supported; allowed: default"),
+        ("deepseek-v3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}},
+         "rope type 'dynamic' is not supported; allowed: yarn"),
+        ("deepseek-v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 64, "truncate": False}},
+         "yarn RoPE needs 'factor' and megatron's defaults for 'attention_factor'"),
     ],
     ids=["qwen3-moe-unnormalised-topk", "qwen3-moe-dense-layer-inside", "deepseek-no-rope-interleave", "deepseek-no-q-latent",
-         "deepseek-group-ranking", "deepseek-yarn"],
+         "deepseek-group-ranking", "deepseek-dynamic-rope", "deepseek-yarn-untruncated"],
 )  # fmt: skip
 def test_unrepresentable_moe_or_mla_config(family, changes, match, converted, tmp_path):
     hf = _edit_config(converted(family).hf, tmp_path / "hf", **changes)

@@ -78,8 +78,11 @@ def _report(s) -> str:
 
 
 def main() -> None:
+    from loong_train.megatron_args import hydra_argv
+
     quiet_megatron()
     _setup_logging()
+    sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]  # `train --megatron -- <flags>`: megatron_args.py
     _hydra_main()
 
 

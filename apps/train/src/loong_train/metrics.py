@@ -72,6 +72,7 @@ class StepWindow:
 
     def add(self, counts: StepCounts, flops: float, *, step_time: float) -> None:
         self.steps += 1
+        self.last = counts
         self.tokens += counts.tokens
         self.flops += flops
         self.step_time = step_time
@@ -89,7 +90,8 @@ class StepWindow:
             "skipped": result.skipped, "nonfinite": result.nonfinite,
         }  # fmt: skip
         if self.has_media:
-            record["images_per_s"] = self.images / elapsed
+            record["images_per_s"] = self.images / elapsed  # + the last step's data (benches compare stacks):
+            record.update(step_tokens=self.last.tokens, step_images=self.last.images, step_samples=self.last.samples)
         if peak_flops:
             record["mfu"] = self.flops / elapsed / world_size / peak_flops
         return record, {"loss": f"{result.loss:.4f}", "tok_s": f"{tps:,.0f}"}

@@ -11,6 +11,7 @@ from loong_ckpt.run_dir import ResumeSchedule
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
+from loong_parallel.encoder_layout import encoder_layout_errors
 
 
 class DType(StrEnum):
@@ -118,7 +119,7 @@ def _cross_package_errors(cfg: Config) -> list[str]:
     if d.kind == "multimodal" and cfg.model.image_encoder is None:
         errors.append("data.kind=multimodal (images in the data) but model.image_encoder is null: the model "
                       "cannot see images; choose a VLM, e.g. model=tiny-vlm")  # fmt: skip
-    return errors + _balance_errors(cfg)
+    return errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
 
 
 def _balance_errors(cfg: Config) -> list[str]:
@@ -126,8 +127,6 @@ def _balance_errors(cfg: Config) -> list[str]:
     errors = []
     if b.enabled and d.packing != "thd":
         errors.append("parallel.balance.enabled=true needs data.packing=thd")
-    if b.enabled and d.kind == "multimodal":
-        errors.append("parallel.balance.enabled=true is not supported with data.kind=multimodal yet")
     if b.max_tokens_per_rank is not None and b.max_tokens_per_rank < d.seq_length:
         errors.append(f"parallel.balance.max_tokens_per_rank={b.max_tokens_per_rank} must be null or "
                       f">= data.seq_length ({d.seq_length})")  # fmt: skip

@@ -44,6 +44,7 @@ from loong_parallel import (
     shutdown,
     train_step,
 )
+from loong_train.capabilities import check_features
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, StepWindow, progress_bar
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
@@ -102,6 +103,7 @@ class Trainer:
         """Devices and process groups, data, model chunks, optimizer, metrics."""
         cfg, t = self.cfg, self.cfg.train
         self.accel = get_accelerator(None if t.device == "auto" else t.device)
+        check_features(cfg, self.accel)  # capabilities.py: e.g. layer_backend=te on a backend without TE
         self._exit.enter_context(redirect_cuda(self.accel))
         owns_process_group = not dist.is_initialized()
         env = init_distributed(self.accel)

@@ -2,6 +2,7 @@
 
 loong-convert hf-to-mcore <hf dir> <out dir> [--tp N] [--pp N] [--ep N] [--dtype auto|fp32|bf16|fp16]
 loong-convert mcore-to-hf <checkpoint dir> <out dir> [--dtype ...] [--tokenizer DIR]
+loong-convert mcore-to-peft <LoRA checkpoint dir> <out dir> [--base-model NAME]
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     for p in (a, b):
         p.add_argument("--dtype", default="auto", help="auto (keep), fp32, bf16 or fp16")
-        p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = sub.add_parser("mcore-to-peft", help="LoRA checkpoint (adapters only) -> PEFT adapter directory")
+    c.add_argument("src", type=Path, help="LoRA checkpoint directory (a run with model.lora)")
+    c.add_argument("out", type=Path, help="output adapter directory (adapter_config.json + safetensors)")
+    c.add_argument("--base-model", help="base_model_name_or_path to record (default: the run's base weights)")
+    for p in (a, b, c):
+        p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     return ap
 
 
@@ -64,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     from loong_ckpt.safe_load import UnsafeCheckpointError
 
     try:
-        if args.command == "hf-to-mcore":
+        if args.command == "mcore-to-peft":
+            from loong_ckpt.peft import export_peft
+
+            print(f"wrote {export_peft(args.src, args.out, base_model=args.base_model, force=args.force)}")
+        elif args.command == "hf-to-mcore":
             res = hf_to_mcore(args.src, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype, name=args.name,
                               force=args.force, progress=not args.no_progress)  # fmt: skip
             print(

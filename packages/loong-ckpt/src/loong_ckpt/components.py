@@ -178,6 +178,8 @@ def model_to_hf(cfg: Any, dtype: torch.dtype, base: dict[str, Any] | None = None
     describes the same architecture, so HF -> Loong -> HF returns it unchanged."""
     from loong_ckpt.hf_config import to_hf_config
 
+    if base is not None:  # Loong writes unquantised weights (an FP8 source is dequantised on load)
+        base = {k: v for k, v in base.items() if k != "quantization_config"}
     if not is_composed(cfg):
         return to_hf_config(foundation_of(cfg), dtype, base)
     m = mapping_of(cfg)

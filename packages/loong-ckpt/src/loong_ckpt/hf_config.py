@@ -13,6 +13,7 @@ import torch
 from loong_ckpt.families import supported_architectures
 from loong_models import FoundationConfig, RopeScaling, get_family
 from loong_models.foundation import MLAConfig, MoEConfig
+from loong_models.foundation.config import ROPE_TYPE_FIELDS
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -164,11 +165,15 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> Foundatio
     theta, scaling = _rope(hf)
     rope_scaling = None
     if scaling is not None:
-        if scaling.get("type") != "llama3" or fam.attention == "mla":
-            allowed = "default" if fam.attention == "mla" else "llama3"
+        allowed = "yarn" if fam.attention == "mla" else "llama3"
+        if scaling.get("type") != allowed:
             raise ConversionError(
                 f"{source}: rope type {scaling.get('type')!r} is not supported; allowed: {allowed}"
             )
+        if allowed == "yarn" and (scaling.get("attention_factor") is not None or scaling.get("truncate", True) is not True
+                                  or scaling.get("factor") is None):  # fmt: skip
+            raise ConversionError(f"{source}: yarn RoPE needs 'factor' and megatron's defaults for 'attention_factor' "
+                                  f"(derived from mscale / mscale_all_dim) and 'truncate' (true); got {scaling}")  # fmt: skip
         rope_scaling = RopeScaling(**{k: v for k, v in scaling.items() if k in _ROPE_FIELDS})
     moe = None
     if fam.moe != "never":
@@ -244,8 +249,8 @@ def to_hf_config(
     fam = get_family(cfg.family)
     rope: dict[str, Any] = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
     if cfg.rope_scaling is not None:
-        rs = dataclasses.asdict(cfg.rope_scaling)
-        rope.update(rope_type=rs.pop("type"), **rs)
+        rs = cfg.rope_scaling
+        rope.update(rope_type=rs.type, **{k: getattr(rs, k) for k in ROPE_TYPE_FIELDS[rs.type]})
     out: dict[str, Any] = {
         "architectures": [fam.hf_architectures[0]],
         "model_type": fam.hf_model_type,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from loong_ckpt.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, block_size, dequantize
 from loong_ckpt.hf_config import ConversionError
 
 CONFIG_FILE = "config.json"
@@ -32,7 +33,7 @@ TOKENIZER_FILES = (
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -62,6 +63,26 @@ class HFReader:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                     sl = f.get_slice(name)
                     self.tensors[name] = TensorInfo(file, tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()])
+        self._fp8_scales = self._fp8_weights()
+
+    def _fp8_weights(self) -> dict[str, TensorInfo]:
+        """FP8 block-quantised weights (fp8_blocks.py) -> their scale tensors, which leave the
+        listing; the weights are listed in the model's dtype and dequantised on read."""
+        block = block_size(self.config, str(self.path / CONFIG_FILE))
+        if block is None:
+            return {}
+        self._fp8_block = block
+        out_dtype = getattr(torch, self.config.get("torch_dtype") or self.config.get("dtype") or "bfloat16")
+        scales = {}
+        for name, info in list(self.tensors.items()):
+            if info.dtype in FP8_DTYPES:
+                if name + SCALE_SUFFIX not in self.tensors:
+                    raise ConversionError(f"{self.path}: FP8 tensor {name} has no {name + SCALE_SUFFIX}")
+                scales[name] = self.tensors[name + SCALE_SUFFIX]
+                self.tensors[name] = TensorInfo(info.file, info.shape, out_dtype)
+        for name in scales:
+            del self.tensors[name + SCALE_SUFFIX]
+        return scales
 
     @staticmethod
     def read_config(path: Path) -> dict[str, Any]:
@@ -105,6 +126,11 @@ class HFReader:
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         info = self.info(name)
+        if name in self._fp8_scales:  # whole weight, then the slice: scales cover blocks, not rows
+            scale_file = self._fp8_scales[name].file
+            with safe_open(info.file, framework="pt") as f, safe_open(scale_file, framework="pt") as g:
+                t = dequantize(f.get_tensor(name), g.get_tensor(name + SCALE_SUFFIX), self._fp8_block, info.dtype)
+            return t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
         with safe_open(info.file, framework="pt") as f:
             if dim is None:
                 return f.get_tensor(name)

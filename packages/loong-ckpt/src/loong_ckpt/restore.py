@@ -69,6 +69,8 @@ def restore(ckpt_root: str | Path, chunks: list, optimizer, scheduler, *, model_
         check_lora_base(resumed, init_from)
     if init_from and (resumed is None or lora):
         load_weights(init_from, chunks, model_cfg, part="frozen" if lora else "all")
+    if resumed is None and lora and model_cfg.lora.init_from:
+        load_adapters(model_cfg.lora.init_from, chunks, model_cfg)
     if resumed is None:
         if init_from:
             # bf16 / fp16 optimizers keep fp32 main copies made when they were built: refresh them from
@@ -100,6 +102,17 @@ def _resume_point(ckpt_root: Path, run_config: dict[str, Any] | None, schedule: 
             logger.info("resuming with changed settings: %s",
                         "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))  # fmt: skip
     return resumed
+
+
+def load_adapters(path: str, chunks: list, model_cfg: Any) -> None:
+    """``model.lora.init_from``: the adapters start from a PEFT adapter directory (peft_import.py)."""
+    from loong_ckpt.hf_config import ConversionError
+    from loong_ckpt.peft_import import load_peft_adapters
+
+    try:
+        load_peft_adapters(path, chunks, model_cfg)
+    except ConversionError as e:
+        raise RestoreError(str(e)) from None
 
 
 def load_weights(init_from: str, chunks: list, model_cfg: Any, *, part: str = "all") -> None:

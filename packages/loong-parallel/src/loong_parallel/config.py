@@ -15,6 +15,13 @@ class MoEDispatcher(StrEnum):
     allgather = "allgather"
 
 
+class EncoderLayout(StrEnum):
+    """Where a VLM's image encoder runs (loong_parallel.encoder_layout)."""
+
+    shared = "shared"  # every rank of a TP group encodes every image of its micro-batch
+    hetero_dp = "hetero_dp"  # the micro-batch's images split over the TP ranks, each encoded once
+
+
 class OffloadModule(StrEnum):
     """megatron-core's fine-grained activation offloading points (the input of each module goes to host)."""
 
@@ -38,6 +45,10 @@ class ParallelConfig:
     overlap_param_gather: bool = False  # overlap the distributed optimizer's param all-gather
     grad_reduce_in_fp32: bool = True
     ddp_bucket_size: int | None = None  # elements per DDP bucket; None = megatron's default
+    # Where a VLM's image encoder runs (loong_parallel.encoder_layout): shared (every TP rank
+    # encodes every image) | hetero_dp (the images of a micro-batch split over the TP ranks;
+    # needs model.image_encoder.tensor_model_parallel_size=1 and tp > 1).
+    encoder_layout: EncoderLayout = EncoderLayout.shared
     # Mixture-of-Experts layout (only for models with a `moe:` config). Experts are split over
     # ep ranks; each expert's weights over etp ranks (None = tp). Expert layers see
     # world / (etp x ep x pp) data-parallel replicas; the rest of the model keeps tp x pp x dp.
@@ -102,6 +113,8 @@ class ParallelConfig:
             )
         if self.vpp is not None and self.pp < 2:
             raise ValueError(f"parallel.vpp={self.vpp} needs parallel.pp >= 2")
+        if self.encoder_layout == EncoderLayout.hetero_dp and self.tp == 1:
+            raise ValueError("parallel.encoder_layout=hetero_dp splits images over the TP ranks: it needs parallel.tp > 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1")
         if self.overlap_param_gather and not self.distributed_optimizer:

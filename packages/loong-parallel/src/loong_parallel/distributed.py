@@ -41,6 +41,7 @@ def init_distributed(accel: Accelerator, timeout_s: float = 600) -> DistEnv:
     )
     accel.set_device(env.local_rank)
     if not dist.is_initialized():
+        accel.prepare_distributed()  # registers a vendor collective backend (e.g. bkcl) by its name
         dist.init_process_group(backend=accel.dist_backend, timeout=datetime.timedelta(seconds=timeout_s))
     logger.info("rank %d/%d on %s", env.rank, env.world_size, accel.describe())
     return env

@@ -14,11 +14,13 @@ from functools import partial
 from typing import Protocol
 
 import torch
+from megatron.core import parallel_state as mpu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_models import ModelConfig, build_model, build_transformer_config, fusion_fields, resolve_backend
 from loong_parallel.component_groups import image_encoder_process_groups
 from loong_parallel.config import ParallelConfig
+from loong_parallel.encoder_layout import apply_encoder_layout, vision_shape
 from loong_parallel.forward import lm_forward_step
 from loong_parallel.model import ModelProvider
 from loong_parallel.moe import RouterStats
@@ -42,7 +44,8 @@ class ModelKind(Protocol):
     def flops(self, *, tokens: int, patches: int, seq_length: int) -> float: ...
 
     def cost_shape(self) -> dict[str, int]:
-        """``num_parameters``, ``num_layers``, ``attention_width``: the balancer's cost model."""
+        """``num_parameters``, ``num_layers``, ``attention_width``: the balancer's cost model
+        (a VLM adds its vision tower's, see :func:`loong_parallel.encoder_layout.vision_shape`)."""
 
     def step_stats(self, chunks: list[torch.nn.Module], config: TransformerConfig, device: torch.device
                    ) -> RouterStats | None: ...  # fmt: skip
@@ -75,9 +78,10 @@ class LanguageModel:
         groups = image_encoder_process_groups(self.cfg, parallel.tp)
 
         def build(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
-            return build_model(self.cfg, config, device_type=device_type, pre_process=pre_process,
-                               post_process=post_process, vp_stage=vp_stage, encoder_pg_collection=groups,
-                               layer_backend=self.backend)  # fmt: skip
+            model = build_model(self.cfg, config, device_type=device_type, pre_process=pre_process,
+                                post_process=post_process, vp_stage=vp_stage, encoder_pg_collection=groups,
+                                layer_backend=self.backend)  # fmt: skip
+            return apply_encoder_layout(model, parallel.encoder_layout, self.cfg, mpu.get_tensor_model_parallel_group())
 
         return build
 
@@ -88,9 +92,13 @@ class LanguageModel:
         return self.cfg.training_flops(tokens=tokens, seq_length=seq_length, patches=patches)
 
     def cost_shape(self) -> dict[str, int]:
+        """The LLM's shape, and a VLM's vision tower (the multimodal balancer counts patches)."""
         f = self.cfg.foundation
-        return dict(num_parameters=f.num_active_parameters(), num_layers=f.num_layers,
-                    attention_width=f.num_attention_heads * f.head_dim)  # fmt: skip
+        shape = dict(num_parameters=f.num_active_parameters(), num_layers=f.num_layers,
+                     attention_width=f.num_attention_heads * f.head_dim)  # fmt: skip
+        if self.cfg.is_multimodal:
+            shape.update(vision_shape(self.cfg))
+        return shape
 
     def step_stats(self, chunks: list[torch.nn.Module], config: TransformerConfig, device: torch.device
                    ) -> RouterStats | None:  # fmt: skip

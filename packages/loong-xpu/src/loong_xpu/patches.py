@@ -304,7 +304,8 @@ def _restore(owner: object, attr: str, marker: str) -> None:
 
 
 def apply_patches(accel: Accelerator) -> PatchSet:
-    """Apply every patch in :data:`MANIFEST` plus the device-argument rewrite for ``accel``.
+    """Apply every patch in :data:`MANIFEST`, then ``accel.extra_patches()``, plus the
+    device-argument rewrite for ``accel``.
 
     Does nothing for backends that run CUDA natively (``needs_cuda_redirect`` False).
     """
@@ -322,7 +323,7 @@ def apply_patches(accel: Accelerator) -> PatchSet:
 
 def _apply_all(accel: Accelerator, patches: PatchSet) -> None:
     undo, applied = patches._undo, patches.applied
-    for patch in MANIFEST:
+    for patch in (*MANIFEST, *accel.extra_patches()):  # the backend's own entries come last
         try:
             owner, attr = _resolve(patch.target)
         except ImportError:

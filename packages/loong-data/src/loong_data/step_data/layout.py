@@ -29,6 +29,7 @@ class StepCounts:
     tokens: int
     images: int | None = None
     patches: int = 0
+    samples: int | None = None  # conversations (data kinds that count them)
 
 
 class DataError(ValueError):

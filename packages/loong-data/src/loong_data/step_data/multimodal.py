@@ -26,6 +26,7 @@ from loong_data.multimodal.chat import ChatTokenizer, load_chat_tokenizer
 from loong_data.multimodal.pipeline import MultimodalSample, PackedMultimodalDataset, list_shards
 from loong_data.multimodal.processor import VisionProcessorConfig
 from loong_data.packing import packing_strategy
+from loong_data.prefetch import prefetch
 from loong_data.step_data.config import DataConfig
 from loong_data.step_data.layout import DataError, StepCounts, StepLayout
 from loong_data.step_data.shards import convert_sources
@@ -61,9 +62,14 @@ class MultimodalStepData:
         return [ds.collate([samples[i] for i in pack]) for pack in packs]
 
     def train_steps(self, start_step: int = 0, balancer: Any = None) -> Iterator[list[dict]]:
-        """For each step from ``start_step``: this DP rank's packed micro-batches."""
-        if balancer is not None:
-            raise DataError("DP load balancing is not supported with data.kind=multimodal yet")
+        """For each step from ``start_step``: this DP rank's packed micro-batches: its slice of the
+        global batch, or the balancer's choice (``balancer.select(samples)``, the same plan on
+        every rank; loong_parallel's SelectBalancer). Prepared one step ahead in a background
+        thread, unless a refitting balancer plans the steps (its cost changes between steps)."""
+        steps = self._steps(start_step, balancer)
+        return steps if getattr(balancer, "refit", None) is not None else prefetch(steps)
+
+    def _steps(self, start_step: int, balancer: Any) -> Iterator[list[dict]]:
         lay = self.layout
         ds = self._dataset(self.train_shards, self.shuffle_buffer)
         stream = _forever(ds)
@@ -75,7 +81,8 @@ class MultimodalStepData:
         per_rank = lay.global_batch_size // lay.dp_size
         while True:
             step = list(islice(stream, lay.global_batch_size))
-            yield self._pack(ds, step[lay.dp_rank * per_rank : (lay.dp_rank + 1) * per_rank])
+            mine = balancer.select(step) if balancer else step[lay.dp_rank * per_rank : (lay.dp_rank + 1) * per_rank]
+            yield self._pack(ds, mine)
 
     def eval_microbatches(self) -> list[dict]:
         """This rank's share of the first held-out samples (the same every time)."""
@@ -90,8 +97,9 @@ class MultimodalStepData:
 
     def counts(self, microbatches: list[dict], loss_tokens: int) -> StepCounts:
         """Real tokens (padding excluded, image tokens included; the loss counts only assistant
-        tokens), images + videos and ViT patches of the step, summed over the DP group (a collective)."""
-        tokens = images = patches = 0
+        tokens), images + videos, ViT patches and samples of the step, summed over the DP group
+        (a collective)."""
+        tokens = images = patches = samples = 0
         for mb in microbatches:
             cu, ids = mb["cu_seqlens"], mb["tokens"][0]
             tail = slice(int(cu[-2]), int(cu[-1]))
@@ -99,14 +107,15 @@ class MultimodalStepData:
                 mb["loss_mask"][0, tail].any()
             )
             tokens += int(cu[-2]) if padded else int(ids.shape[0])
+            samples += len(cu) - 1 - int(padded)
             for key in ("image_grid_thw", "video_grid_thw"):
                 if key in mb and len(mb[key]):
                     images += int(mb[key].shape[0])
                     patches += int(mb[key].prod(dim=1).sum())
-        t = torch.tensor([tokens, images, patches], dtype=torch.float64, device=self.layout.device)
+        t = torch.tensor([tokens, images, patches, samples], dtype=torch.float64, device=self.layout.device)
         dist.all_reduce(t, group=self.layout.dp_group)
-        tokens, images, patches = (int(x) for x in t.tolist())
-        return StepCounts(tokens=tokens, images=images, patches=patches)
+        tokens, images, patches, samples = (int(x) for x in t.tolist())
+        return StepCounts(tokens=tokens, images=images, patches=patches, samples=samples)
 
 
 def _forever(ds: PackedMultimodalDataset) -> Iterator[MultimodalSample]:

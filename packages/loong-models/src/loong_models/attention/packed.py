@@ -1,5 +1,5 @@
 """Causal attention over packed (THD) sequences without a materialised mask: one SDPA call per
-document segment of ``cu_seqlens``.
+segment length of ``cu_seqlens`` (the segments of one length batched together).
 
 Why a per-segment loop and not FlexAttention: on CPU (and other non-CUDA devices) eager
 FlexAttention falls back to a reference that materialises the [t, t] scores, and compiling it
@@ -41,13 +41,23 @@ def packed_causal_attention(
         )
     gqa = key.shape[1] != heads
     out = query.new_empty(t, heads, d)
+    # Segments of equal length (a ViT's windows, the frames of equal-sized images) go through one
+    # batched SDPA call: hundreds of windows per micro-batch would otherwise be hundreds of tiny
+    # kernel launches per layer on a GPU.
+    by_length: dict[int, list[int]] = {}
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if hi == lo:
-            continue
-        # [L, h, d] -> [1, h, L, d]
-        q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        if hi > lo:
+            by_length.setdefault(hi - lo, []).append(lo)
+    for length, starts in by_length.items():
+        if len(starts) == 1:
+            rows = slice(starts[0], starts[0] + length)
+        else:
+            offsets = torch.arange(length, device=query.device)
+            rows = (torch.tensor(starts, device=query.device)[:, None] + offsets).reshape(-1)
+        # [n * L, h, d] -> [n, h, L, d]
+        q, k, v = (x[rows].reshape(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (query, key, value))
         o = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
         )
-        out[lo:hi] = o.squeeze(0).transpose(0, 1)
+        out[rows] = o.transpose(1, 2).reshape(-1, heads, d)
     return out.reshape(t, heads * d)

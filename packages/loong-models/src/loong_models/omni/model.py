@@ -21,6 +21,29 @@ from loong_models.omni.mrope import VisionTokenIds, mrope_positions
 # The media inputs of forward(), as micro-batches carry them (loong_data.multimodal collates them).
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
+def mark_tp_replicas(sharded: dict, component_tp: int, foundation_tp: int) -> dict:
+    """A component whose TP size is smaller than the foundation's (an encoder at TP=1 inside
+    TP=2) is replicated over the foundation's TP group, but its own (smaller) TP group numbers
+    each copy as TP rank 0: every copy would claim to be the main replica and megatron's
+    distributed checkpointing refuses the duplicates. Appending the replica's index in the
+    foundation's TP group makes exactly one copy the main replica (all-zero id)."""
+    if component_tp >= foundation_tp:
+        return sharded
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+    replica = mpu.get_tensor_model_parallel_rank() // component_tp
+
+    def mark(item):
+        if hasattr(item, "replica_id"):
+            rid = item.replica_id
+            item.replica_id = (*rid, replica) if isinstance(rid, tuple) else (rid, replica)
+        return item
+
+    dict_list_map_inplace(mark, sharded)
+    return sharded
+
+
 class OmniCombinationModel(MegatronModule):
     """Modules: ``foundation`` (megatron GPTModel), ``image_encoder`` and ``image_projector``
     (first pipeline stage only, else None).
@@ -54,6 +77,8 @@ class OmniCombinationModel(MegatronModule):
         self.pre_process = foundation.pre_process
         self.post_process = foundation.post_process
         self.model_type = foundation.model_type  # megatron's schedules read it from the chunk
+        # (model, pixel_values, grid_thw) -> tokens: set by a parallel encoder layout; None = encode here
+        self.vision_encode = None
 
     # --- what megatron's schedules and finalize_model_grads call on a model chunk ---
     def set_input_tensor(self, input_tensor) -> None:
@@ -71,7 +96,9 @@ class OmniCombinationModel(MegatronModule):
         for name in ("image_encoder", "image_projector"):
             module = getattr(self, name)
             if module is not None:
-                out.update(module.sharded_state_dict(f"{prefix}{name}.", (), metadata))
+                part = module.sharded_state_dict(f"{prefix}{name}.", (), metadata)
+                out.update(mark_tp_replicas(part, module.config.tensor_model_parallel_size,
+                                            self.config.tensor_model_parallel_size))  # fmt: skip
         return out
 
     # --- forward ---
@@ -94,6 +121,8 @@ class OmniCombinationModel(MegatronModule):
     def vision_embeddings(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Encode and project: ``[N_patches, C*T*P*P]`` -> ``[N_patches / merge**2, hidden]``."""
         assert self.image_encoder is not None and self.image_projector is not None
+        if self.vision_encode is not None:  # a parallel layout (loong_parallel.encoder_layout)
+            return self.vision_encode(self, pixel_values, grid_thw)
         return self.image_projector(self.image_encoder(pixel_values, grid_thw))
 
     def _merge(self, input_ids, embeddings, media) -> torch.Tensor:

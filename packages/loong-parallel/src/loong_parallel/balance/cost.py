@@ -42,6 +42,25 @@ class QuadraticCost:
         tokens = tokens[:, 0] if tokens.ndim == 2 else tokens
         return self.a * tokens + self.b * tokens * tokens + self.c
 
+    # --- what OnlineCostFit refits through (a cost family: features, fit, coefficients) ---
+    @staticmethod
+    def features(segment_lengths: np.ndarray) -> np.ndarray:
+        return segment_features(segment_lengths)
+
+    @staticmethod
+    def fit(features: np.ndarray, seconds: np.ndarray) -> QuadraticCost | None:
+        return fit_quadratic_cost(features, seconds)
+
+    def coefficients(self) -> tuple[float, ...]:
+        return (self.a, self.b, self.c)
+
+    def with_coefficients(self, coef: tuple[float, ...]) -> QuadraticCost:
+        return QuadraticCost(*coef)
+
+    def describe(self) -> str:
+        s = self.scaled()
+        return f"cost ~ L + {s.b:.3g} L^2 + {s.c:.3g} (relative to the linear term)"
+
     def scaled(self) -> QuadraticCost:
         """The same cost relative to its linear coefficient (easier to read in logs)."""
         return QuadraticCost(1.0, self.b / self.a, self.c / self.a) if self.a > 0 else self
@@ -53,38 +72,45 @@ def segment_features(segment_lengths: np.ndarray) -> np.ndarray:
     return np.array([lengths.sum(), (lengths * lengths).sum(), float(len(lengths))])
 
 
-def fit_quadratic_cost(features: np.ndarray, seconds: np.ndarray) -> QuadraticCost | None:
-    """Non-negative least squares of ``seconds ~ a*sum L + b*sum L^2 + c*count + d`` over rows of
-    ``features`` (one row per rank and step, see :func:`segment_features`).
-
-    The intercept ``d`` absorbs what every rank pays per step whatever its samples (launch
-    latency, the loss reduction); it does not move between ranks, so it is fitted and dropped.
-    With four unknowns exact NNLS is cheap: ordinary least squares on every subset of the columns
-    (scaled to unit norm for conditioning), keeping the best fit whose coefficients are all >= 0.
-    Returns None when no subset gives a usable model (a + b > 0).
-    """
+def nonnegative_fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray | None:
+    """Non-negative least squares of ``seconds ~ features @ coef + d`` (``d`` an intercept, fitted
+    and dropped: what every rank pays per step whatever its samples, launch latency, the loss
+    reduction; it does not move between ranks). With few unknowns exact NNLS is cheap: ordinary
+    least squares on every subset of the columns (scaled to unit norm for conditioning), keeping
+    the best fit whose coefficients are all >= 0. Returns ``coef`` (one per feature column), or
+    None when no subset fits."""
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(seconds, dtype=np.float64)
-    if x.ndim != 2 or x.shape[1] != 3 or len(x) != len(y):
-        raise ValueError(f"features must be [n, 3] with one time per row, got {x.shape} and {y.shape}")
+    if x.ndim != 2 or len(x) != len(y):
+        raise ValueError(f"features must be [n, k] with one time per row, got {x.shape} and {y.shape}")
+    k = x.shape[1] + 1
     x = np.column_stack([x, np.ones(len(x))])
     norms = np.linalg.norm(x, axis=0)
     norms[norms == 0] = 1.0
     xs = x / norms
     best: tuple[float, np.ndarray] | None = None
-    for k in (4, 3, 2, 1):
-        for cols in combinations(range(4), k):
+    for size in range(k, 0, -1):
+        for cols in combinations(range(k), size):
             sol, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
             if np.any(sol < 0):
                 continue
-            coef = np.zeros(4)
+            coef = np.zeros(k)
             coef[list(cols)] = sol
             residual = float(np.sum((xs @ coef - y) ** 2))
             if best is None or residual < best[0] * (1 - 1e-9):
                 best = (residual, coef)
-    if best is None:
+    return None if best is None else (best[1] / norms)[:-1]
+
+
+def fit_quadratic_cost(features: np.ndarray, seconds: np.ndarray) -> QuadraticCost | None:
+    """:func:`nonnegative_fit` of ``seconds ~ a*sum L + b*sum L^2 + c*count + d`` over rows of
+    ``features`` (one row per rank and step, see :func:`segment_features`). Returns None when no
+    subset gives a usable model (a + b > 0)."""
+    x = np.asarray(features, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != 3:
+        raise ValueError(f"features must be [n, 3] with one time per row, got {x.shape}")
+    coef = nonnegative_fit(x, seconds)
+    if coef is None or coef[0] + coef[1] <= 0:
         return None
-    a, b, c, _ = best[1] / norms
-    if a + b <= 0:
-        return None
+    a, b, c = coef
     return QuadraticCost(float(a), float(b), float(c))

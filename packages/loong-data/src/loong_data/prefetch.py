@@ -1,0 +1,47 @@
+"""Run an iterator ahead in a background thread: the next step's samples are decoded, resized and
+packed while the accelerator trains on this one (PIL and numpy release the GIL for most of it)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+_DONE = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def prefetch[T](items: Iterator[T], depth: int = 1) -> Iterator[T]:
+    """The items of ``items`` in order, produced up to ``depth`` ahead by a daemon thread. An
+    exception in the producer is raised here, at the item where it happened. Only for iterators
+    whose items do not depend on what the consumer does between items."""
+    if depth < 1:
+        raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+    box: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                box.put(item)
+            box.put(_DONE)
+        except BaseException as e:  # handed to the consumer
+            box.put(_Failed(e))
+
+    threading.Thread(target=produce, daemon=True, name="loong-prefetch").start()
+    try:
+        while True:
+            item = box.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()

@@ -1,0 +1,151 @@
+"""Run under torchrun (gloo, 4 processes = TP 2 x DP 2): the tiny VLM with its encoder at TP=1
+trained 10 steps with parallel.encoder_layout=shared and =hetero_dp (sequence parallelism off and
+on), from the same seed on the same micro-batches (real bundled samples: 0, 1 and 5 images of
+different sizes, a video); then hetero_dp with a frozen encoder. Every rank compares the losses
+and every parameter's gradient of the two layouts, counts the images its encoder encoded and
+whether any encoder backward ran; rank 0 writes the results to argv[1] as JSON.
+
+    torchrun --standalone --nproc-per-node 4 tests/encoder_layout_runs.py OUT.json
+"""
+
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from loong_data.multimodal import PackedMultimodalDataset, VisionProcessorConfig, bundled_multimodal_shards
+from loong_models import build_model, build_transformer_config, fusion_fields, load_model_config
+from loong_parallel import (
+    OptimConfig,
+    ParallelConfig,
+    build_model_chunks,
+    build_optimizer,
+    init_distributed,
+    initialize_model_parallel,
+    runtime_transformer_fields,
+    train_step,
+    unwrap,
+)
+from loong_parallel.component_groups import component_process_groups
+from loong_parallel.encoder_layout import apply_encoder_layout
+from loong_parallel.forward import lm_forward_step
+from loong_xpu import get_accelerator, redirect_cuda
+
+STEPS, SEQ = 10, 512
+
+
+def media(sample) -> tuple[int, int]:
+    return sum(k == "image" for k, _ in sample.media), sum(k == "video" for k, _ in sample.media)
+
+
+def microbatches(out_dir: Path, dp_rank: int) -> list[dict]:
+    """This DP rank's micro-batches: text only, one image, five images of different sizes (a
+    4-digit sample + a photo), a video with an image (the "mixed" samples)."""
+    cfg = load_model_config("tiny-vlm")
+    e = cfg.image_encoder
+    processor = VisionProcessorConfig(patch_size=e.patch_size, temporal_patch_size=e.temporal_patch_size,
+                                      merge_size=e.spatial_merge_size, max_pixels=112 * 112,
+                                      video_min_pixels=56 * 56, video_max_pixels=56 * 56)  # fmt: skip
+    if dist.get_rank() == 0:
+        bundled_multimodal_shards(out_dir / "shards")
+    dist.barrier()
+    ds = PackedMultimodalDataset(bundled_multimodal_shards(out_dir / "shards"), seq_length=SEQ, processor=processor,
+                                 seed=0, shuffle_buffer=1)  # fmt: skip
+    by_media: dict[tuple[int, int], list] = {}
+    for s in ds.samples(0):
+        by_media.setdefault(media(s), []).append(s)
+    pick = lambda m, i=0: by_media[m][dp_rank * 2 + i]  # noqa: E731
+    packs = [[pick((0, 0))], [pick((1, 0))], [pick((4, 0)), pick((1, 0), 1)], [pick((1, 1))]]
+    return [ds.collate(p) for p in packs]
+
+
+class EncoderProbe:
+    """Counts the images / clips the encoder encodes and the encoder backwards that run."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        self.images = self.backwards = 0
+        encoder.register_forward_hook(self._forward)
+
+    def _forward(self, module, args, output) -> None:
+        self.images += int(args[1].shape[0])
+        if output.requires_grad:
+            output.register_hook(self._backward)
+
+    def _backward(self, grad) -> None:
+        self.backwards += 1
+
+
+def run(accel, batches: list[dict], *, layout: str, sp: bool, freeze: bool = False) -> dict:
+    pcfg = ParallelConfig(tp=2, sequence_parallel=sp, encoder_layout=layout)
+    initialize_model_parallel(pcfg, dist.get_world_size())
+    model_parallel_cuda_manual_seed(0)
+    torch.manual_seed(0)
+    overrides = ["layer_backend=local", "image_encoder.tensor_model_parallel_size=1",
+                 f"image_encoder.freeze={str(freeze).lower()}"]  # fmt: skip
+    cfg = load_model_config("tiny-vlm", overrides)
+    tconfig = build_transformer_config(cfg.foundation, **fusion_fields("local"),
+                                       **runtime_transformer_fields(pcfg, dtype=torch.float32, device_type="cpu"))  # fmt: skip
+    groups = component_process_groups(1)
+
+    def provider(pre_process, post_process, vp_stage):
+        model = build_model(cfg, tconfig, device_type="cpu",
+                            pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                            encoder_pg_collection=groups)  # fmt: skip
+        return apply_encoder_layout(model, layout, cfg, mpu.get_tensor_model_parallel_group())
+
+    chunks = build_model_chunks(provider, pcfg, tconfig, accel)
+    optimizer, scheduler = build_optimizer(OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant"), pcfg,
+                                           chunks, dtype=torch.float32, total_steps=STEPS)  # fmt: skip
+    probe = EncoderProbe(unwrap(chunks[0]).image_encoder)
+    losses, grads, images = [], [], []
+    for _ in range(STEPS):
+        before = probe.images
+        result = train_step(partial(lm_forward_step, accel.device()), iter(batches), chunks, optimizer, scheduler,
+                            num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=1, device=accel.device())  # fmt: skip
+        losses.append(result.loss)
+        grads.append({n: p.main_grad.clone() for n, p in unwrap(chunks[0]).named_parameters() if p.requires_grad})
+        images.append(probe.images - before)
+    mpu.destroy_model_parallel()
+    return {"losses": losses, "grads": grads, "images": images, "backwards": probe.backwards}
+
+
+def compare(a: dict, b: dict) -> dict:
+    worst = 0.0
+    for ga, gb in zip(a["grads"], b["grads"]):
+        assert ga.keys() == gb.keys()
+        worst = max(worst, *((ga[k] - gb[k]).abs().max().item() for k in ga))
+    return {"max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])), "max_grad_diff": worst,
+            "num_params": len(a["grads"][0]), "losses": b["losses"]}  # fmt: skip
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    accel = get_accelerator("cpu")
+    with redirect_cuda(accel):
+        init_distributed(accel)
+        dp_rank = dist.get_rank() // 2  # megatron's default order: TP ranks are consecutive
+        batches = microbatches(out.parent, dp_rank)
+        media_here = sum(int(mb["image_grid_thw"].shape[0] + mb["video_grid_thw"].shape[0]) for mb in batches)
+        report = {}
+        for sp in (False, True):
+            shared = run(accel, batches, layout="shared", sp=sp)
+            hetero = run(accel, batches, layout="hetero_dp", sp=sp)
+            report[f"sp={sp}"] = compare(shared, hetero)
+            report[f"sp={sp}"]["encoded"] = {"shared": shared["images"], "hetero_dp": hetero["images"]}
+        frozen = run(accel, batches, layout="hetero_dp", sp=False, freeze=True)
+        report["backwards"] = {"trained": hetero["backwards"], "frozen": frozen["backwards"]}
+        report["media"] = media_here
+        everything = [None] * dist.get_world_size()
+        dist.all_gather_object(everything, report)
+        if dist.get_rank() == 0:
+            out.write_text(json.dumps(everything))
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
