@@ -164,8 +164,8 @@ def test_resume_refuses_another_model_and_a_silent_schedule_change(base):
     assert refused.returncode != 0 and "train.steps: 6 in the checkpoint, 10 now" in refused.stderr
     assert "train.resume_schedule=rescale" in refused.stderr and "train.resume_schedule=keep" in refused.stderr
     rescaled = run([*longer, "train.resume_schedule=rescale"], name="longer").check()
-    lr = {r["step"]: r["lr"] for r in rescaled.records("train")}
-    assert lr[6] == pytest.approx(3e-4)  # the 6-step schedule had ended at optim.min_lr ...
-    assert lr[7] > 2 * lr[6] and lr[7] > lr[8] > lr[9] > lr[10]  # ... the 10-step one decays from step 7 on
-    assert lr[10] == pytest.approx(3e-4)
+    lr = {r["step"]: r["lr"] for r in rescaled.records("train")}  # the rate each step ran at
+    # the 6-step schedule's last step ran near optim.min_lr (3e-4; keep would stay there): the 10-step
+    # schedule is higher at step 7 and decays from there, above the minimum until its end
+    assert lr[7] > lr[6] and lr[7] > lr[8] > lr[9] > lr[10] > 3e-4
     assert sorted(rescaled.losses()) == list(range(1, 11)) and out.is_dir()

@@ -137,3 +137,21 @@ def test_recomputed_forwards_keep_the_device_redirect():
         y = checkpoint(lambda t: t * torch.full((3,), 2.0, device=torch.cuda.current_device()), False, x)
         y.sum().backward()
         assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_megatron_context_parallel_rope_slice_runs_on_the_host():
+    """megatron pins the CP rank's RoPE chunk index in host memory; pinning needs CUDA."""
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    class TwoRanks:  # the group interface the function reads
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    emb = torch.arange(8.0).reshape(8, 1, 1, 1)
+    with redirect_cuda(get_accelerator("cpu")):
+        local = get_pos_emb_on_this_cp_rank(emb, 0, TwoRanks())
+    # rank 1 of 2 holds chunks 1 and 2 of 4 (load-balanced zigzag)
+    assert local.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]

@@ -11,6 +11,7 @@ from loong_ckpt.run_dir import ResumeSchedule
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
+from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_parallel.encoder_layout import encoder_layout_errors
 
 
@@ -119,7 +120,18 @@ def _cross_package_errors(cfg: Config) -> list[str]:
     if d.kind == "multimodal" and cfg.model.image_encoder is None:
         errors.append("data.kind=multimodal (images in the data) but model.image_encoder is null: the model "
                       "cannot see images; choose a VLM, e.g. model=tiny-vlm")  # fmt: skip
-    return errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
+    return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
+            + _context_parallel_errors(cfg))
+
+
+def _context_parallel_errors(cfg: Config) -> list[str]:
+    f, d = cfg.model.foundation, cfg.data
+    return context_parallel_conflicts(cfg.parallel, seq_length=d.seq_length, features={
+        "model.foundation.sparse_attention (DeepSeek sparse attention)": f.sparse_attention is not None,
+        "model.foundation.mla (multi-latent attention: no CP parity test yet)": f.mla is not None,
+        "data.kind=multimodal (the VLM path has no CP split yet)": d.kind == "multimodal",
+        "parallel.balance.enabled=true (the DP balancer would split a CP group's samples)": cfg.parallel.balance.enabled,
+    })  # fmt: skip
 
 
 def _balance_errors(cfg: Config) -> list[str]:

@@ -71,6 +71,7 @@ def step_layout(cfg: Config, *, num_microbatches: int, dp: DataParallel | None =
     t = cfg.train
     return StepLayout(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
                       num_microbatches=num_microbatches, eval_iters=t.eval_iters, seed=t.seed, device=device,
+                      segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
                       **(dict(dp_rank=dp.rank, dp_size=dp.size, dp_group=dp.group) if dp else {}))  # fmt: skip
 
 

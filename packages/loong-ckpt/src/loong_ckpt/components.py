@@ -307,7 +307,7 @@ def write_any_model_yaml(cfg: Any, configs_dir: Path, name: str) -> Path:
 
 def component_diff(a: Any, b: Any) -> str:
     """The architecture fields two model configs disagree on, as ``component.key: a (HF) != b``."""
-    from loong_ckpt.hf_config import ARCH_FIELDS
+    from loong_ckpt.hf_config import ARCH_FIELDS, same_value
 
     if is_composed(a) != is_composed(b):
         return f"image_encoder: {getattr(a, 'image_encoder', None)!r} (HF) != {getattr(b, 'image_encoder', None)!r}"
@@ -316,7 +316,7 @@ def component_diff(a: Any, b: Any) -> str:
     diffs += [
         f"foundation.{k}: {fa[k]!r} (HF) != {fb[k]!r}"
         for k in (*ARCH_FIELDS, "mrope_section")
-        if fa[k] != fb[k]
+        if not same_value(fa[k], fb[k])
     ]
     if is_composed(a):
         for comp in _COMPONENT_KEYS:
@@ -324,10 +324,10 @@ def component_diff(a: Any, b: Any) -> str:
             diffs += [
                 f"{comp}.{k}: {ca[k]!r} (HF) != {cb[k]!r}"
                 for k in ca
-                if k not in _RUNTIME_KNOBS and ca[k] != cb[k]
+                if k not in _RUNTIME_KNOBS and not same_value(ca[k], cb[k])
             ]
         ma, mb = dataclasses.asdict(a), dataclasses.asdict(b)
         skip = (*_COMPONENT_KEYS, "foundation", "layer_backend")
-        diffs += [f"{k}: {ma[k]!r} (HF) != {mb[k]!r}" for k in ma if k not in skip and ma[k] != mb[k]]
+        diffs += [f"{k}: {ma[k]!r} (HF) != {mb[k]!r}" for k in ma if k not in skip and not same_value(ma[k], mb[k])]
     return "; ".join(diffs) or "head_dim / KV groups differ"
 

@@ -252,7 +252,9 @@ def hf_to_mcore(
             meta["hf_naming"] = naming  # exported back with the same tensor names
         meta["files"] = hash_files(tmp, listed_files(tmp, META_FILE))  # checked by train.init_from
         _write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
-    command = f"uv run train 'hydra.searchpath=[file://{out}/configs]' model={name} train.init_from={out}"
+    # phase=finetune: the app's fine-tuning rates (pretraining rates undo pretrained weights)
+    command = (f"uv run train 'hydra.searchpath=[file://{out}/configs]' model={name} train.init_from={out} "
+               "phase=finetune")  # fmt: skip
     if any(f.startswith("tokenizer") for f in copied):
         command += f" data.tokenizer={out}"
     if tp > 1 or pp > 1:

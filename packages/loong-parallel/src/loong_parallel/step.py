@@ -97,6 +97,7 @@ def train_step(
             forward_only=False,
             **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
         )
+    lr = optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler then sets the next one)
     loss, count = _global_loss(outputs, device)
     nonfinite = not math.isfinite(loss) or not _grads_finite(chunks, device)
     ok, grad_norm = False, None
@@ -105,7 +106,6 @@ def train_step(
         nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
     if ok:
         scheduler.step(increment=1)
-    lr = optimizer.param_groups[0]["lr"]
     return StepResult(loss, count, float(grad_norm) if grad_norm is not None else None, lr, not ok,
                       timing.get("compute_s"), nonfinite)
 

@@ -44,7 +44,9 @@ def _is_cuda(device: object) -> bool:
 
 class _DeviceRedirectMode(TorchFunctionMode):
     """Rewrites CUDA ``device`` arguments and ``Tensor.cuda`` to the accelerator's device, and
-    makes ``Tensor.type()`` report CUDA type names there (megatron asserts on them)."""
+    makes ``Tensor.type()`` report CUDA type names there (megatron asserts on them). On a host
+    (cpu) target it also drops ``pin_memory=True``: pinning needs a CUDA host allocator, and
+    megatron pins its context-parallel RoPE index (``get_pos_emb_on_this_cp_rank``)."""
 
     def __init__(self, accel: Accelerator):
         super().__init__()
@@ -60,6 +62,8 @@ class _DeviceRedirectMode(TorchFunctionMode):
             # megatron asserts grad.type() == "torch.cuda.FloatTensor" (clip_grads, DDP buffers):
             # on the redirected device, a tensor reports the CUDA type name of its dtype.
             return func(*args).replace("torch.", "torch.cuda.", 1)
+        if kwargs.get("pin_memory") and self.target.type == "cpu":
+            kwargs["pin_memory"] = False
         dev = kwargs.get("device")
         if dev is not None and _is_cuda(dev):
             kwargs["device"] = self.target

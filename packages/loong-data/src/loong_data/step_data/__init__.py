@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from loong_data.step_data.config import DataConfig, DataKind, MultimodalDataConfig, Packing, ThdConfig
-from loong_data.step_data.layout import DataError, StepCounts, StepLayout
+from loong_data.step_data.layout import DataError, StepCounts, StepLayout, batch_digest
 from loong_data.step_data.multimodal import MultimodalStepData, PatchGeometry, load_multimodal_data
 from loong_data.step_data.text import Balancer, PackedDocuments, TextStepData, load_text_data, step_batches
 
@@ -72,6 +72,7 @@ __all__ = [
     "StepCounts",
     "StepData",
     "StepLayout",
+    "batch_digest",
     "TextStepData",
     "ThdConfig",
     "build_step_data",
