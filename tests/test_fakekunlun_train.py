@@ -23,8 +23,10 @@ def test_tensor_parallel_training_on_fakekunlun_gives_the_cpu_losses(run_train, 
     for report in (tmp_path / "report").glob("rank*.json"):
         calls.update(json.loads(report.read_text()))
     assert {r.name.split("-")[0] for r in (tmp_path / "report").glob("rank*.json")} == {"rank0", "rank1"}
+    # the backend's RNG tracker (its patch-manifest entry) is what megatron seeded; host-side weight
+    # init draws no TP-forked numbers here (the in-process test covers fork())
     for seam in ("prepare_distributed", "set_device", "manual_seed", "get_rng_state", "set_rng_state",
-                 "rng_tracker.add", "rng_tracker.fork"):  # fmt: skip
+                 "rng_tracker.add", "current_stream", "synchronize", "memory_stats"):  # fmt: skip
         assert calls[seam] >= 2, (seam, calls)  # both ranks
 
 

@@ -41,6 +41,7 @@ from loong_ckpt.diffusion import (
 )
 from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
+from loong_ckpt.integrity import check_files, hash_files, listed_files
 from loong_ckpt.log import logger
 from loong_ckpt.mapping import Rule, Unit, layer_key, locate, units
 from loong_ckpt.mcore_io import Chunk, model_template, read_metadata, read_regions, write_checkpoint
@@ -247,8 +248,11 @@ def hf_to_mcore(src: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, e
         }
         if naming is not None:
             meta["hf_naming"] = naming  # exported back with the same tensor names
+        meta["files"] = hash_files(tmp, listed_files(tmp, META_FILE))  # checked by train.init_from
         _write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
-    command = f"uv run train 'hydra.searchpath=[file://{out}/configs]' model={name} train.init_from={out}"
+    # phase=finetune: the app's fine-tuning rates (pretraining rates undo pretrained weights)
+    command = (f"uv run train 'hydra.searchpath=[file://{out}/configs]' model={name} train.init_from={out} "
+               "phase=finetune")  # fmt: skip
     if any(f.startswith("tokenizer") for f in copied):
         command += f" data.tokenizer={out}"
     if tp > 1 or pp > 1:
@@ -321,9 +325,12 @@ def mcore_to_hf(
     if meta_path.is_file() and is_diffusion_checkpoint(meta := json.loads(meta_path.read_text())):
         return mcore_to_diffusers(src, out, meta, dtype=dtype, force=force, max_shard_bytes=max_shard_bytes)
     model_cfg, meta = _checkpoint_model(src, foundation)
+    verify_files(src, meta)
     cfg = foundation_of(model_cfg)
     lora = meta.get("lora")
     base = _lora_base(src, lora) if lora else src
+    if base != src and not is_hf_dir(base):
+        verify_files(base, json.loads((base / META_FILE).read_text()))
     out_dtype = parse_dtype(dtype)
     if is_hf_dir(base):  # a LoRA run that started from HF weights
         plan_u, plan, final_dtype, read_group = _hf_base(base, model_cfg, out_dtype)
@@ -360,6 +367,15 @@ def mcore_to_hf(
         "wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(plan), res.seconds, res.peak_rss_mib
     )
     return res
+
+
+def verify_files(path: Path, meta: dict) -> None:
+    """A checkpoint's files against the SHA-256 its loong.json records (a megatron checkpoint
+    without one is read unverified, with a warning)."""
+    if "files" not in meta:
+        logger.warning("%s records no file hashes: converting it unverified", path)
+    elif problems := check_files(path, meta["files"]):
+        raise ConversionError(f"{path} failed its integrity check: {'; '.join(problems)}")
 
 
 def _mcore_base(src: Path, cfg: FoundationConfig, bound: list, out_dtype):

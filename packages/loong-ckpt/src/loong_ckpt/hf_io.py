@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from loong_ckpt.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, block_size, dequantize
 from loong_ckpt.hf_config import ConversionError
@@ -61,7 +62,7 @@ class HFReader:
         self.config: dict[str, Any] = self.read_config(self.path)
         self.tensors: dict[str, TensorInfo] = {}
         for file in self._files():
-            with safe_open(file, framework="pt") as f:
+            with _unreadable_names(file), safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                     sl = f.get_slice(name)
                     self.tensors[name] = TensorInfo(file, tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()])
@@ -99,7 +100,10 @@ class HFReader:
     def _files(self) -> list[Path]:
         index = self.path / self.index_file
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                raise ConversionError(f"{index}: expected a JSON object with a 'weight_map' ({e})") from None
             files = sorted(set(weight_map.values()))
             for name in files:
                 if not (self.path / name).is_file():
@@ -130,14 +134,25 @@ class HFReader:
         info = self.info(name)
         if name in self._fp8_scales:  # whole weight, then the slice: scales cover blocks, not rows
             scale_file = self._fp8_scales[name].file
-            with safe_open(info.file, framework="pt") as f, safe_open(scale_file, framework="pt") as g:
+            with _unreadable_names(info.file), safe_open(info.file, framework="pt") as f, \
+                    safe_open(scale_file, framework="pt") as g:
                 t = dequantize(f.get_tensor(name), g.get_tensor(name + SCALE_SUFFIX), self._fp8_block, info.dtype)
             return t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
-        with safe_open(info.file, framework="pt") as f:
+        with _unreadable_names(info.file), safe_open(info.file, framework="pt") as f:
             if dim is None:
                 return f.get_tensor(name)
             index: list[slice] = [slice(None)] * dim + [slice(start, stop)]
             return f.get_slice(name)[tuple(index)].contiguous()
+
+
+@contextmanager
+def _unreadable_names(file: Path) -> Iterator[None]:
+    """A truncated or garbage safetensors file fails as a ConversionError naming it, not as a raw
+    SafetensorError (or the OSError of a short read)."""
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise ConversionError(f"{file}: not a readable safetensors file ({e}); it is truncated or corrupt") from None
 
 
 def copy_tokenizer_files(src: str | Path, dst: Path) -> list[str]:

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from loong_models.diffusion import FlowMatchingConfig, WanConfig, WanModel, build_wan_transformer_config
 from loong_models.diffusion.towers import TextEncoderConfig, VaeConfig
+from loong_models.embodied.pi05 import Pi05Config
 from loong_models.foundation import FoundationConfig, build_foundation
 from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
 from loong_models.image_projector import (
@@ -46,6 +47,13 @@ class ModelConfig:
     layer_backend: str = "auto"
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
+    # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,
+    # not a megatron GPTModel; the foundation and VLM fields are then unused.
+    embodied: Pi05Config | None = None
+
+    @property
+    def is_embodied(self) -> bool:
+        return self.embodied is not None
     # Diffusion models (Wan): the denoising transformer, and the frozen VAE / text encoder that
     # make its inputs. With ``diffusion`` set the model is the DiT and ``foundation`` is unused.
     diffusion: WanConfig | None = None
@@ -58,15 +66,12 @@ class ModelConfig:
         return self.diffusion is not None
 
     @property
-    def kind_name(self) -> str:
-        """Which kind of model trains: ``language`` (LLMs, VLMs) or ``diffusion`` (a DiT)."""
-        return "diffusion" if self.diffusion is not None else "language"
-
-    @property
     def is_multimodal(self) -> bool:
         return self.image_encoder is not None
 
     def validate(self, prefix: str = "model") -> None:
+        if self.embodied is not None:
+            return self.embodied.validate(f"{prefix}.embodied")
         if self.is_diffusion:
             self._validate_diffusion(prefix)
             return
@@ -123,8 +128,9 @@ class ModelConfig:
                                  f"{prefix}.diffusion.text_dim={self.diffusion.text_dim}")  # fmt: skip
 
     def num_parameters(self) -> int:
-        """Exact parameter count of what gets built (unpadded vocab), all components (for a
-        diffusion model: the trained transformer; the frozen VAE and text encoder are not built)."""
+        """Exact parameter count of what gets built (unpadded vocab), all components."""
+        if self.embodied is not None:
+            return self.embodied.num_parameters()
         if self.diffusion is not None:
             return self.diffusion.num_parameters()
         n = self.foundation.num_parameters()
@@ -150,8 +156,11 @@ class ModelConfig:
         if self.text_encoder is not None and vocab_size > self.text_encoder.vocab_size:
             raise ValueError(f"model.text_encoder.vocab_size={self.text_encoder.vocab_size} is smaller than the "
                              f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
-        if self.diffusion is None and vocab_size > self.foundation.vocab_size:
-            raise ValueError(f"model.foundation.vocab_size={self.foundation.vocab_size} is smaller than the "
+        if self.diffusion is not None:
+            return
+        key, size = ("embodied", self.embodied.vocab_size) if self.embodied else ("foundation", self.foundation.vocab_size)
+        if vocab_size > size:
+            raise ValueError(f"model.{key}.vocab_size={size} is smaller than the "
                              f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
 
     def flops_per_patch(self) -> float:

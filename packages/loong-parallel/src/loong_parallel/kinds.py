@@ -115,13 +115,3 @@ class LanguageModel:
         lora = f" | LoRA rank {m.lora.rank} on {', '.join(m.lora.targets)}" if m.lora else ""
         return f"{f.family} ({n_params / 1e6:.1f}M params, {moe}{f.num_layers} layers{vision}){lora}"
 
-
-def model_kind(cfg: ModelConfig, device_type: str, *, seed: int = 0) -> ModelKind:
-    """The kind of model ``cfg`` describes (``MODEL_KINDS[cfg.kind_name]``): the trainer's default."""
-    from loong_parallel.diffusion import DiffusionModel
-
-    kinds: dict[str, Callable[..., ModelKind]] = {
-        "language": lambda: LanguageModel.from_config(cfg, device_type),
-        "diffusion": lambda: DiffusionModel.from_config(cfg, device_type, seed=seed),
-    }
-    return kinds[cfg.kind_name]()
