@@ -151,7 +151,7 @@ def real(args: argparse.Namespace, overrides: list[str]) -> int:
     for i, balanced in enumerate(run_order(args.rounds)):
         name = "balanced" if balanced else "naive"
         run_overrides = [*base, f"parallel.balance.enabled={str(balanced).lower()}",
-                         f"train.output_dir={args.out}/{name}-{i}", *overrides]
+                         f"train.output_dir={args.out}/{name}-{i}", "train.overwrite=true", *overrides]  # a re-run replaces it
         with initialize_config_dir(config_dir=config_dir, version_base=None):
             cfg = to_config(compose(config_name="config", overrides=run_overrides))
         summary = Trainer(cfg).fit()

@@ -81,8 +81,9 @@ def test_resume_needs_the_same_base(base_and_lora):
     other_base = base_ckpt.parent.parent.parent / "base-copy"
     shutil.copytree(base_ckpt, other_base)
     other = run(
-        [*LORA, f"train.steps={STEPS + 1}", f"train.init_from={other_base}", "resume=true"], name=out.name
-    )
+        [*LORA, f"train.steps={STEPS + 1}", "train.resume_schedule=rescale", f"train.init_from={other_base}",
+         "resume=true"], name=out.name,
+    )  # fmt: skip
     assert other.returncode != 0
     assert f"was trained on {base_ckpt.absolute()}" in other.stderr
 

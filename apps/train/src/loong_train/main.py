@@ -37,7 +37,9 @@ def _hydra_main(raw: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from loong_ckpt import ConversionError
+    from loong_ckpt.restore import UNUSABLE_CHECKPOINT
     from loong_data.step_data import DataError
+    from loong_parallel import NonFiniteError
     from loong_train.recipe import apply_finetune_recipe
     from loong_train.schema import ConfigError
     from loong_train.trainer import Trainer
@@ -54,7 +56,7 @@ def _hydra_main(raw: DictConfig) -> None:
         summary = Trainer(cfg).fit()
     except (ConfigError, DataError) as e:
         sys.exit(f"config error: {e}")
-    except (ConversionError, FileNotFoundError) as e:  # bad input: the message names the file
+    except (ConversionError, FileNotFoundError, NonFiniteError, *UNUSABLE_CHECKPOINT) as e:  # one-line messages
         sys.exit(f"error: {e}")
     if int(os.environ.get("RANK", 0)) == 0:
         print(_report(summary), flush=True)

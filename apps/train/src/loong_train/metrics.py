@@ -87,7 +87,7 @@ class StepWindow:
         record = {
             "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_s": tps, "tokens_per_s_per_device": tps / world_size, "step_time_s": self.step_time,
-            "skipped": result.skipped, "tokens": self.tokens,  # in the window: the step when log_interval=1
+            "skipped": result.skipped, "nonfinite": result.nonfinite, "tokens": self.tokens,  # in the window: the step when log_interval=1
         }  # fmt: skip
         if self.has_media:
             record["images_per_s"] = self.images / elapsed  # + the last step's data (benches compare stacks):

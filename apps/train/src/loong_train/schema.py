@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from loong_ckpt.run_dir import ResumeSchedule
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
@@ -35,7 +36,10 @@ class TrainConfig:
     eval_iters: int = 4
     save_interval: int = 0  # 0 = save at the end only
     save_final: bool = True  # save a checkpoint when the run ends (benchmarks turn it off)
-    keep_last: int = 2  # complete checkpoints kept
+    keep_last: int = 2  # complete checkpoints kept (and always the newest one that verified)
+    overwrite: bool = False  # a fresh run may replace another run's output in output_dir
+    resume_schedule: ResumeSchedule = ResumeSchedule.refuse
+    nonfinite_limit: int = 5  # steps in a row with a NaN / Inf loss or gradient (each skipped) before the run stops
     init_from: str | None = None  # model weights (not optimizer) from a checkpoint or an HF directory
     export_hf: bool = False  # write HF weights (output_dir/hf/step_N) at the end ...
     export_hf_interval: int = 0  # ... and every N steps (0 = only at the end)
@@ -49,7 +53,7 @@ class TrainConfig:
         if self.export_hf_interval < 0:
             errors.append(f"train.export_hf_interval={self.export_hf_interval} must be >= 0 (0 = at the end only)")
         errors += [f"train.{key}={getattr(self, key)} must be >= 1"
-                   for key in ("micro_batch_size", "global_batch_size", "log_interval") if getattr(self, key) < 1]  # fmt: skip
+                   for key in ("micro_batch_size", "global_batch_size", "log_interval", "nonfinite_limit") if getattr(self, key) < 1]  # fmt: skip
         return errors
 
 

@@ -26,6 +26,7 @@ from loong_data.step_data import StepCounts, StepData, StepLayout, build_step_da
 from loong_parallel import (
     DataParallel,
     ModelKind,
+    NonFiniteGuard,
     StepResult,
     build_balancer,
     build_model_chunks,
@@ -146,7 +147,8 @@ class Trainer:
         try:
             restored = restore(self.out_dir / "checkpoints", self.chunks, self.optimizer, self.scheduler,
                                model_cfg=self.cfg.model, init_from=t.init_from, resume=self.cfg.resume,
-                               rng_state_template=rng_state(self.accel))  # fmt: skip
+                               rng_state_template=rng_state(self.accel), config=self.cfg, overwrite=t.overwrite,
+                               resume_schedule=t.resume_schedule)  # fmt: skip
         except RestoreError as e:
             raise ConfigError(str(e)) from None
         if restored.rng is not None:
@@ -164,6 +166,7 @@ class Trainer:
             for step in range(self.start_step + 1, t.steps + 1):
                 result = self.step(step)
                 self._log(step, result)
+                self.nonfinite.observe(step, result)  # raises after train.nonfinite_limit in a row
                 if step != t.steps:
                     self._periodic(step)
             self._finish()
@@ -187,8 +190,9 @@ class Trainer:
         self.bar = progress_bar(t.steps, self.start_step, enabled=self.is_main and t.progress)
         self._exit.callback(self.bar.close)
         self.window = StepWindow()
-        self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from,
+        self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from, config=self.cfg,
                                   tokens_per_step=t.global_batch_size * self.cfg.data.seq_length)  # fmt: skip
+        self.nonfinite = NonFiniteGuard(t.nonfinite_limit)
         self._log_start()
 
     def step(self, step: int) -> StepResult:
@@ -263,7 +267,7 @@ class Trainer:
         t, s = self.cfg.train, self.summary
         s.first_loss = result.loss if s.first_loss is None else s.first_loss
         s.last_loss = result.loss
-        if step % t.log_interval == 0 or step == t.steps:
+        if step % t.log_interval == 0 or step == t.steps or result.nonfinite:  # every skipped step on record
             record, postfix = self.window.record(step, result, world_size=self.world_size,
                                                  peak_flops=self.accel.peak_flops(self.dtype))  # fmt: skip
             s.tokens_per_s = record["tokens_per_s"]

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loong_ckpt.convert import hf_to_mcore, mcore_to_hf
     from loong_ckpt.hf_config import ConversionError
+    from loong_ckpt.safe_load import UnsafeCheckpointError
 
     try:
         if args.command == "mcore-to-peft":
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
             )
-    except (ConversionError, FileNotFoundError) as e:
+    except (ConversionError, UnsafeCheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -26,6 +26,7 @@ from loong_parallel.forward import lm_forward_step, masked_token_loss
 from loong_parallel.kinds import LanguageModel, ModelKind
 from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
 from loong_parallel.moe import RouterStats
+from loong_parallel.nonfinite import NonFiniteError, NonFiniteGuard
 from loong_parallel.optimizer import OptimConfig, build_optimizer
 from loong_parallel.rng import rng_state, seed_everything, set_rng_state
 from loong_parallel.runtime import runtime_transformer_fields
@@ -44,6 +45,8 @@ __all__ = [
     "model_kind",
     "ModelKind",
     "ModelProvider",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "OnlineCostFit",
     "OptimConfig",
     "ParallelConfig",

@@ -93,3 +93,4 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+

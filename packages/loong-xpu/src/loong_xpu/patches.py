@@ -105,6 +105,19 @@ def _host_copy_of(accel: Accelerator):
     return maybe_move_tensor_to_cpu
 
 
+def _exact_l2_norm_of(accel: Accelerator):
+    def l2_norm(chunk_size: int, noop_flag, tensor_lists, per_tensor: bool, *args):
+        # megatron's host fallback (utils.local_multi_tensor_l2_norm) sums squares in fp32, which
+        # on the CPU loses up to ~1e-3 relative on a large gradient (the embedding's): enough to
+        # clip differently under TP=2 than in one process. Accumulate in fp64, round once.
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensor_lists[0]]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)
+        per = torch.stack(norms).float().to(accel.device()) if per_tensor and norms else None
+        return total.float().reshape(1).to(accel.device()), per
+
+    return l2_norm
+
+
 def _recompute_context_of(accel: Accelerator):
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -217,8 +230,9 @@ MANIFEST: tuple[Patch, ...] = (
     ),
     Patch(
         "megatron.core.optimizer.clip_grads:l2_norm_impl",
-        "the gradient L2 norm kernel (TE's multi_tensor_l2norm when TE is installed)",
-        lambda a: _megatron_util("local_multi_tensor_l2_norm"),
+        "the gradient L2 norm kernel (TE's multi_tensor_l2norm when TE is installed); megatron's host "
+        "fallback sums in fp32 and is inexact enough on large tensors for TP=2 to drift from one process",
+        _exact_l2_norm_of,
     ),
     Patch(
         "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
