@@ -247,3 +247,17 @@ def test_expert_parallel_layout_is_checked(converted, tmp_path):
         "ep": 2,
     }
     _nothing_left(tmp_path / "x")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_safetensors_fails_in_one_line_naming_the_file(converted, tmp_path, capsys, damage):
+    from loong_ckpt.cli import main
+
+    hf = _copy(converted("llama").hf, tmp_path / "hf")
+    shard = hf / sorted(set(json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"].values()))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x93NUMPY not safetensors" * 40)
+    assert main(["hf-to-mcore", str(hf), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {shard}: not a readable safetensors file") and "\n" not in err, err
+    _nothing_left(tmp_path / "out")

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loong_ckpt.convert import hf_to_mcore, mcore_to_hf
     from loong_ckpt.hf_config import ConversionError
+    from loong_ckpt.safe_load import UnsafeCheckpointError
 
     try:
         if args.command == "mcore-to-peft":
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
             )
-            print(f"train from it:\n  {res.command}")
+            if res.command:  # a diffusers Wan conversion has none (its model is model.diffusion)
+                print(f"fine-tune from it (phase=finetune: a fine-tuning rate; phase=pretrain for pretraining rates):"
+                      f"\n  {res.command}")  # fmt: skip
         else:
             foundation = _load_foundation_yaml(args.model_yaml) if args.model_yaml else None
             res = mcore_to_hf(args.src, args.out, dtype=args.dtype, tokenizer=args.tokenizer, foundation=foundation,
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
             )
-    except (ConversionError, FileNotFoundError) as e:
+    except (ConversionError, UnsafeCheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -225,14 +226,26 @@ def _arch_dict(c: FoundationConfig) -> dict[str, Any]:
     return d
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Equal, with floats equal to a relative 1e-6: ``norm_epsilon`` 1e-5 written by one tool reads
+    back as 1.0000000000000001e-05 from another, and that is the same model."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, int | float) and isinstance(b, int | float) and math.isclose(a, b, rel_tol=1e-6)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def same_architecture(a: FoundationConfig, b: FoundationConfig) -> bool:
-    return _arch_dict(a) == _arch_dict(b)
+    return same_value(_arch_dict(a), _arch_dict(b))
 
 
 def arch_diff(a: FoundationConfig, b: FoundationConfig) -> list[str]:
     """``key: a != b`` for each architecture field that differs."""
     da, db = _arch_dict(a), _arch_dict(b)
-    return [f"{k}: {da[k]!r} != {db[k]!r}" for k in ARCH_FIELDS if da[k] != db[k]]
+    return [f"{k}: {da[k]!r} != {db[k]!r}" for k in ARCH_FIELDS if not same_value(da[k], db[k])]
 
 
 def to_hf_config(

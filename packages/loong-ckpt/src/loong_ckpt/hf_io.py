@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from loong_ckpt.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, block_size, dequantize
 from loong_ckpt.hf_config import ConversionError
@@ -52,14 +53,16 @@ class TensorInfo:
 
 
 class HFReader:
-    """Tensors of an HF directory by name, with shape / dtype known up front (headers only)."""
+    """Tensors of an HF directory by name, with shape / dtype known up front (headers only).
+    ``weights`` is the safetensors file stem (``model``; diffusers: ``diffusion_pytorch_model``)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, weights: str = "model") -> None:
+        self.single_file, self.index_file = f"{weights}.safetensors", f"{weights}.safetensors.index.json"
         self.path = Path(path)
         self.config: dict[str, Any] = self.read_config(self.path)
         self.tensors: dict[str, TensorInfo] = {}
         for file in self._files():
-            with safe_open(file, framework="pt") as f:
+            with _unreadable_names(file), safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                     sl = f.get_slice(name)
                     self.tensors[name] = TensorInfo(file, tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()])
@@ -95,9 +98,12 @@ class HFReader:
             raise ConversionError(f"{cfg}: invalid JSON ({e})") from None
 
     def _files(self) -> list[Path]:
-        index = self.path / INDEX_FILE
+        index = self.path / self.index_file
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                raise ConversionError(f"{index}: expected a JSON object with a 'weight_map' ({e})") from None
             files = sorted(set(weight_map.values()))
             for name in files:
                 if not (self.path / name).is_file():
@@ -107,10 +113,10 @@ class HFReader:
                         f"but {self.path / name} does not exist"
                     )
             return [self.path / n for n in files]
-        single = self.path / SINGLE_FILE
+        single = self.path / self.single_file
         if single.is_file():
             return [single]
-        raise ConversionError(f"{self.path}: no {INDEX_FILE} or {SINGLE_FILE} found")
+        raise ConversionError(f"{self.path}: no {self.index_file} or {self.single_file} found")
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -128,14 +134,25 @@ class HFReader:
         info = self.info(name)
         if name in self._fp8_scales:  # whole weight, then the slice: scales cover blocks, not rows
             scale_file = self._fp8_scales[name].file
-            with safe_open(info.file, framework="pt") as f, safe_open(scale_file, framework="pt") as g:
+            with _unreadable_names(info.file), safe_open(info.file, framework="pt") as f, \
+                    safe_open(scale_file, framework="pt") as g:
                 t = dequantize(f.get_tensor(name), g.get_tensor(name + SCALE_SUFFIX), self._fp8_block, info.dtype)
             return t if dim is None else t.narrow(dim, start, (stop if stop is not None else t.shape[dim]) - start)
-        with safe_open(info.file, framework="pt") as f:
+        with _unreadable_names(info.file), safe_open(info.file, framework="pt") as f:
             if dim is None:
                 return f.get_tensor(name)
             index: list[slice] = [slice(None)] * dim + [slice(start, stop)]
             return f.get_slice(name)[tuple(index)].contiguous()
+
+
+@contextmanager
+def _unreadable_names(file: Path) -> Iterator[None]:
+    """A truncated or garbage safetensors file fails as a ConversionError naming it, not as a raw
+    SafetensorError (or the OSError of a short read)."""
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise ConversionError(f"{file}: not a readable safetensors file ({e}); it is truncated or corrupt") from None
 
 
 def copy_tokenizer_files(src: str | Path, dst: Path) -> list[str]:
@@ -152,9 +169,10 @@ class SafetensorsWriter:
     ``max_shard_bytes`` (a larger tensor gets a shard of its own), plus the index file."""
 
     def __init__(
-        self, out: Path, plan: Iterable[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int
+        self, out: Path, plan: Iterable[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int,
+        weights: str = "model",
     ) -> None:
-        self.out = out
+        self.out, self.weights = out, weights
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
         size = 0
         for name, shape, dtype in plan:
@@ -165,7 +183,7 @@ class SafetensorsWriter:
             shards[-1].append((name, shape, dtype))
             size += nbytes
         n = len(shards)
-        self._files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self._files = [f"{weights}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self._shards = shards
         self._order = [name for shard in shards for name, _, _ in shard]
         self._pos = 0
@@ -210,7 +228,7 @@ class SafetensorsWriter:
             raise RuntimeError(f"safetensors writer: {len(self._order) - self._pos} planned tensors not written")
         weight_map = {name: self._files[i] for i, shard in enumerate(self._shards) for name, _, _ in shard}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (self.out / f"{self.weights}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
         if self._stream is not None:

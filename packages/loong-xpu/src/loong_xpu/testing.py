@@ -9,6 +9,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -16,6 +17,20 @@ import torch.distributed as dist
 from loong_xpu.accelerator import Accelerator
 from loong_xpu.patches import redirect_cuda
 from loong_xpu.registry import get_accelerator
+
+
+def live_session_processes(sid: int) -> list[int]:
+    """Processes of session ``sid`` that are still running (zombies, already dead, excluded): what a
+    test that killed a process started with ``start_new_session=True`` finds left of it (Linux)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
 
 
 def launch_env(device: str = "cpu") -> dict[str, str]:
