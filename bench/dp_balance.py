@@ -19,9 +19,10 @@ Real (4 GPUs, NCCL; the train app's packed path on the bundled corpus):
     uv run torchrun --standalone --nproc-per-node 4 bench/dp_balance.py real
     uv run torchrun --standalone --nproc-per-node 4 bench/dp_balance.py real --steps 40 -- train.micro_batch_size=8
 
-  Trains the same job twice in one launch, parallel.balance.enabled=false then true (same seed, same
-  samples), and prints the median step time after ``--skip`` warm-up steps, the measured rank
-  imbalance the balancer predicted, tokens/s and the final loss of each. Arguments after ``--`` are
+  Trains the same job ``--rounds`` times with parallel.balance.enabled=false and as often with
+  true, alternating (off, on, on, off, ...; same seed, same samples), and prints the median, mean
+  and total step time after ``--skip`` warm-up steps, the rank imbalance the balancer predicted,
+  tokens/s (total tokens / total time) and each run's final loss. Arguments after ``--`` are
   train-app overrides. Defaults: qwen3-0.6b (vocab cut to the bundled 8K tokenizer), packs of
   8192 tokens, 16 samples per rank, median sample 512 tokens, 5% of samples 8192 long. Target of
   issue 5: step time >= 15% lower with balancing on 4 GPUs. The same mode runs on CPU with gloo as
@@ -101,16 +102,31 @@ def simulate(args: argparse.Namespace) -> int:
     return 0 if ok else 2
 
 
-def _step_stats(metrics: Path, skip: int) -> dict[str, float]:
+def _step_rows(metrics: Path, skip: int) -> list[dict]:
+    """The training rows of a run after ``skip`` warm-up steps (all of them if there are no more)."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     train = [r for r in rows if r.get("split", "train") == "train"]
-    timed = [r for r in train if r["step"] > skip] or train
-    out = {"step_s": statistics.median(r["step_time_s"] for r in timed),
-           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed), "loss": train[-1]["loss"]}
-    if "dp_imbalance_naive" in timed[0]:
-        out["imb_naive"] = statistics.mean(r["dp_imbalance_naive"] for r in timed)
-        out["imb_planned"] = statistics.mean(r["dp_imbalance"] for r in timed)
+    return [r for r in train if r["step"] > skip] or train
+
+
+def summarize(runs: list[list[dict]]) -> dict[str, float]:
+    """One configuration over all its runs: step time median, mean and total, tokens/s as total
+    tokens / total time, the planned imbalance, the final loss of each run (the same data, so the
+    same losses up to summation order)."""
+    rows = [r for run in runs for r in run]
+    times = [r["step_time_s"] for r in rows]
+    out = {"median_s": statistics.median(times), "mean_s": statistics.mean(times), "total_s": sum(times),
+           "tokens_per_s": sum(r["tokens"] for r in rows) / sum(times), "losses": [run[-1]["loss"] for run in runs]}  # fmt: skip
+    if "dp_imbalance_naive" in rows[0]:
+        out["imb_naive"] = statistics.mean(r["dp_imbalance_naive"] for r in rows)
+        out["imb_planned"] = statistics.mean(r["dp_imbalance"] for r in rows)
     return out
+
+
+def run_order(rounds: int) -> list[bool]:
+    """Balancing off/on in alternating order (off, on, on, off, off, on, ...): neither setting
+    always runs first, on a warmer GPU or after the other has filled the caches."""
+    return [flag for i in range(rounds) for flag in ((False, True) if i % 2 == 0 else (True, False))]
 
 
 def real(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -131,29 +147,33 @@ def real(args: argparse.Namespace, overrides: list[str]) -> int:
     # Both runs share the launch's process group (a trainer closes only the groups it created):
     # re-creating it after a teardown hangs in the env:// rendezvous.
     init_distributed(get_accelerator())
-    results = {}
-    for balanced in (False, True):
+    runs: dict[str, list[list[dict]]] = {"naive": [], "balanced": []}
+    for i, balanced in enumerate(run_order(args.rounds)):
         name = "balanced" if balanced else "naive"
         run_overrides = [*base, f"parallel.balance.enabled={str(balanced).lower()}",
-                         f"train.output_dir={args.out}/{name}", *overrides]
+                         f"train.output_dir={args.out}/{name}-{i}", "train.overwrite=true", *overrides]  # a re-run replaces it
         with initialize_config_dir(config_dir=config_dir, version_base=None):
             cfg = to_config(compose(config_name="config", overrides=run_overrides))
         summary = Trainer(cfg).fit()
         if is_main:
-            results[name] = _step_stats(summary.metrics_file, args.skip)
+            runs[name].append(_step_rows(summary.metrics_file, args.skip))
     shutdown()
     if not is_main:
         return 0
+    results = {name: summarize(r) for name, r in runs.items()}
     naive, bal = results["naive"], results["balanced"]
     world = os.environ.get("WORLD_SIZE", "1")
-    print(f"\nDP balancing, {world} processes, median of steps > {args.skip}; overrides: {' '.join(overrides) or '-'}")
-    print(f"{'run':<10} {'step s':>8} {'tokens/s':>10} {'imbalance (planned)':>20} {'final loss':>11}")
+    print(f"\nDP balancing, {world} processes, {args.rounds} runs each, alternating "
+          f"({', '.join('on' if b else 'off' for b in run_order(args.rounds))}), steps > {args.skip}; "
+          f"overrides: {' '.join(overrides) or '-'}")
+    print(f"{'run':<10} {'median s':>9} {'mean s':>8} {'total s':>8} {'tokens/s':>10} {'imbalance (planned)':>20}  final losses")
     for name, r in results.items():
         imb = f"{r['imb_naive']:.1%} -> {r['imb_planned']:.1%}" if "imb_naive" in r else "-"
-        print(f"{name:<10} {r['step_s']:>8.3f} {r['tokens_per_s']:>10,.0f} {imb:>20} {r['loss']:>11.4f}")
-    gain = 1 - bal["step_s"] / naive["step_s"]
-    print(f"step time reduction with balancing: {gain:.1%} (target of issue 5 on 4 GPUs: >= 15%; "
-          "on an oversubscribed CPU the figure means nothing)")
+        print(f"{name:<10} {r['median_s']:>9.3f} {r['mean_s']:>8.3f} {r['total_s']:>8.2f} {r['tokens_per_s']:>10,.0f} "
+              f"{imb:>20}  {' '.join(f'{x:.4f}' for x in r['losses'])}")
+    for stat in ("median_s", "mean_s", "total_s"):
+        print(f"step time reduction with balancing ({stat.removesuffix('_s')}): {1 - bal[stat] / naive[stat]:.1%}")
+    print("target of issue 5 on 4 GPUs: >= 15%; on an oversubscribed CPU the figures mean nothing")
     return 0
 
 
@@ -176,7 +196,8 @@ def main() -> int:
     s.add_argument("--seed", type=int, default=0)
     r = sub.add_parser("real", help="step time under torchrun (GPUs with NCCL, or CPU with gloo)")
     r.add_argument("--steps", type=int, default=30)
-    r.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
+    r.add_argument("--skip", type=int, default=5, help="warm-up steps left out of every figure")
+    r.add_argument("--rounds", type=int, default=2, help="runs of each setting, in alternating order")
     r.add_argument("--tiny", action="store_true", help="a tiny model and short packs (CPU smoke test)")
     r.add_argument("--out", default="runs/bench-dp-balance")
     args = p.parse_args(argv)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 def run_train_app(cmd: list[str], out: Path, *, label: str, env: dict[str, str] | None = None) -> list[dict]:
     """Run ``cmd`` (a train-app command writing to ``out``); return its training-step rows of
-    ``out/metrics.jsonl``. Exits naming ``label`` when the run fails."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    ``out/metrics.jsonl``. Exits naming ``label`` when the run fails. A benchmark re-run replaces
+    its previous output (``train.overwrite=true``)."""
+    proc = subprocess.run([*cmd, "train.overwrite=true"], capture_output=True, text=True, env=env)
     if proc.returncode:
         print(proc.stderr[-6000:], file=sys.stderr)
         raise SystemExit(f"{label} failed ({proc.returncode})")

@@ -80,27 +80,38 @@ def llm_flops(num_parameters: int, num_layers: int, hidden: int, seq_length: int
     return (6 * num_parameters + 6 * num_layers * hidden * seq_length) * tokens
 
 
+def llm_flops_packed(num_parameters: int, num_layers: int, hidden: int, tokens: int, token_pairs: int) -> float:
+    """DESIGN.md's formula with ``s`` the real length of each token's own sample rather than the
+    pack length: 6 N per token + 6 L h per (token, token of its sample) pair, ``token_pairs`` =
+    sum of squared sample lengths. A pack of short samples costs what its samples cost."""
+    return 6 * num_parameters * tokens + 6 * num_layers * hidden * token_pairs
+
+
 @dataclass(frozen=True)
 class StepCounts:
     """What one optimizer step processed (summed over its micro-batches)."""
 
     tokens: int  # real LLM tokens (padding excluded), image tokens included
+    token_pairs: int  # sum over the samples of length**2 (their attention work)
     images: int
     patches: int  # ViT tokens
     vision_flops: float
 
 
 def step_counts(microbatches: list[dict], vision: VisionShape, pad_id: int) -> StepCounts:
-    tokens = images = patches = 0
+    tokens = pairs = images = patches = 0
     vflops = 0.0
     for mb in microbatches:
-        tokens += real_tokens(mb, pad_id)
+        real = real_tokens(mb, pad_id)
+        tokens += real
+        lengths = torch.diff(mb["cu_seqlens"]).tolist()
+        pairs += sum(n * n for n in lengths[: len(lengths) - (int(mb["tokens"].shape[1]) > real)])  # no pad tail
         grid = mb.get("image_grid_thw")
         if grid is not None and len(grid):
             images += int(grid.shape[0])
             patches += int(grid.prod(dim=1).sum())
             vflops += vision_flops(vision, grid)
-    return StepCounts(tokens, images, patches, vflops)
+    return StepCounts(tokens, pairs, images, patches, vflops)
 
 
 def real_tokens(mb: dict, pad_id: int) -> int:

@@ -18,9 +18,13 @@ the median over the steps after warm-up.
     python bench/vlm_throughput.py --text-layers 36 --steps 20 --warmup 5
     python bench/vlm_throughput.py --loong-extra model.layer_backend=local
 
-tokens/s counts LLM tokens (image tokens included, padding excluded). MFU = step FLOPs / step
-time / 989 TFLOP/s, step FLOPs = LLM (6 N + 6 L h s) per token (DESIGN.md) + vision tower
-(bench/vlm_flops.py: 6 N per patch + bidirectional attention over the frame or window).
+Before any figure, the script asserts that every run trained on the same data at every step: the
+same samples, tokens and images, each counted by the stack itself (Loong's metrics.jsonl, the HF
+worker's own batches), and the same digest of token ids and image grids (`batch_digest`).
+tokens/s counts each stack's own LLM tokens (image tokens included, padding excluded). MFU = step
+FLOPs / step time / 989 TFLOP/s, step FLOPs = LLM 6 N per token + attention 6 L h per pair of
+tokens of the same sample (DESIGN.md's 6 L h s with s each sample's real length, not the pack's)
++ vision tower (bench/vlm_flops.py: 6 N per patch + bidirectional attention over the frame or window).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_app import run_train_app  # noqa: E402
-from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops, step_counts  # noqa: E402
+from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops_packed, step_counts  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,9 +76,10 @@ class BenchShape:
     vision: VisionShape
     vision_heads: int
 
-    def step_flops(self, counts: StepCounts, seq: int) -> float:
+    def step_flops(self, counts: StepCounts) -> float:
         t = self.text
-        return llm_flops(t.num_parameters(), t.num_layers, t.hidden, seq, counts.tokens) + counts.vision_flops
+        llm = llm_flops_packed(t.num_parameters(), t.num_layers, t.hidden, counts.tokens, counts.token_pairs)
+        return llm + counts.vision_flops
 
 
 def bench_shape(model) -> BenchShape:
@@ -298,7 +303,7 @@ def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float
     ]  # fmt: skip
     print("loong:", " ".join(cmd[2:]), flush=True)
     train = run_train_app(cmd, out, label="loong run")
-    counts = [{k: r[f"step_{k}"] for k in ("tokens", "images", "samples")} for r in train]
+    counts = [{k: r[f"step_{k}"] for k in SAME_DATA} for r in train]
     return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train), counts
 
 
@@ -308,6 +313,7 @@ def hf_worker(args) -> None:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from loong_data.step_data import batch_digest
     from loong_train.trainer import run_data, step_layout
 
     overrides = json.loads(args.overrides)
@@ -361,8 +367,9 @@ def hf_worker(args) -> None:
         hf_images = sum(int(s["image_grid_thw"].shape[0]) for s in samples if "image_grid_thw" in s)
         if (hf_tokens, hf_images) != (c.tokens, c.images):
             raise SystemExit(f"HF batches hold {hf_tokens} tokens / {hf_images} images, the packs {c.tokens} / {c.images}")
-        counts.append({"tokens": c.tokens, "images": c.images, "patches": c.patches, "vision_flops": c.vision_flops,
-                       "samples": len(samples), "flops": shape.step_flops(c, cfg.data.seq_length)})  # fmt: skip
+        # its own counts (of the samples it batched, checked against the packs above) and the packs' digest
+        counts.append({"tokens": hf_tokens, "images": hf_images, "patches": c.patches, "vision_flops": c.vision_flops,
+                       "samples": len(samples), "digest": batch_digest(mbs), "flops": shape.step_flops(c)})  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     print(json.dumps({"step_times": times, "counts": counts, "peak_gib": peak,
                       "params": sum(p.numel() for p in model.parameters())}))  # fmt: skip
@@ -378,25 +385,42 @@ def run_hf(args, mode: str, overrides: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+SAME_DATA = ("tokens", "images", "samples", "digest")  # per step, each stack's own count; must agree
+
+
 @dataclass
 class Row:
     name: str
     step_times: list[float]
     peak_gib: float
+    counts: list[dict]  # per step, counted by this stack itself (SAME_DATA)
+
+
+def check_same_data(rows: list[Row]) -> None:
+    """Every stack trained on the same samples, tokens and images at every step, or the comparison
+    means nothing: exit naming the first step and count where two differ."""
+    ref = rows[0]
+    for r in rows[1:]:
+        for step, (a, b) in enumerate(zip(ref.counts, r.counts, strict=False), 1):
+            for key in SAME_DATA:
+                if a[key] != b[key]:
+                    raise SystemExit(f"{ref.name!r} and {r.name!r} trained different data: step {step} {key} "
+                                     f"{a[key]} != {b[key]}")  # fmt: skip
+        if len(ref.counts) != len(r.counts):
+            raise SystemExit(f"{ref.name!r} ran {len(ref.counts)} steps, {r.name!r} {len(r.counts)}")
 
 
 def table(rows: list[Row], counts: list[dict], warmup: int) -> list[str]:
-    """tokens/s, images/s and MFU over the steps after warm-up (totals / total time: packs differ
-    in size from step to step), and the median step time."""
-    kept = counts[warmup:]
-    tokens = sum(c["tokens"] for c in kept)
-    images = sum(c["images"] for c in kept)
-    flops = sum(c["flops"] for c in kept)
+    """tokens/s and images/s of each stack from its own counts, MFU from the FLOPs of the (checked
+    identical) samples, over the steps after warm-up (totals / total time: packs differ in size
+    from step to step), and the median step time."""
+    flops = sum(c["flops"] for c in counts[warmup:])
     lines = [
         f"{'stack':<40} {'step s (med)':>12} {'tokens/s':>10} {'images/s':>9} {'MFU':>6} {'peak GiB':>9}"
     ]
     for r in rows:
         t = sum(r.step_times[warmup:])
+        tokens, images = (sum(c[k] for c in r.counts[warmup:]) for k in ("tokens", "images"))
         lines.append(f"{r.name:<40} {statistics.median(r.step_times[warmup:]):12.3f} {tokens / t:10,.0f} "
                      f"{images / t:9.1f} {flops / t / PEAK_BF16:6.3f} {r.peak_gib:9.1f}")  # fmt: skip
     return lines
@@ -446,18 +470,16 @@ def main() -> None:
         rows = []
         if not args.skip_loong:  # first: it converts the data into the shared cache
             times, peak, loong_counts = run_loong(args, overrides, work / "loong")
-            rows.append(Row("loong " + " ".join(args.loong_extra), times, peak))
+            rows.append(Row("loong " + " ".join(args.loong_extra), times, peak, loong_counts))
         hf = {}
         for mode in args.hf_modes:
             hf = run_hf(args, mode, overrides)
             rows.append(Row(f"hf transformers ({mode}, sdpa, batches of {args.hf_batch_size})", hf["step_times"],
-                            hf["peak_gib"]))  # fmt: skip
-            if not args.skip_loong:  # the same samples, tokens and images, step by step
-                hf_counts = [{k: c[k] for k in ("tokens", "images", "samples")} for c in hf["counts"]]
-                if hf_counts != loong_counts:
-                    raise SystemExit(f"the stacks trained different data: loong {loong_counts} vs hf {hf_counts}")
-                print(f"same data in both stacks: {sum(c['samples'] for c in hf_counts)} samples, "
-                      f"{sum(c['tokens'] for c in hf_counts):,} tokens, {sum(c['images'] for c in hf_counts)} images")
+                            hf["peak_gib"], [{k: c[k] for k in SAME_DATA} for c in hf["counts"]]))  # fmt: skip
+        check_same_data(rows)  # the same samples, tokens, images and digest, step by step
+        c = rows[-1].counts
+        print(f"same data in all {len(rows)} runs: {sum(x['samples'] for x in c)} samples, "
+              f"{sum(x['tokens'] for x in c):,} tokens, {sum(x['images'] for x in c)} images, equal digests")
     import torch
 
     cfg = compose(overrides)

@@ -30,8 +30,13 @@ def test_no_function_is_longer_than_a_screen():
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
 
 
+# Not counted: the test-support module, and the Megatron-LM flag table (a declarative translation
+# of another CLI into Loong's keys, not part of what a run does).
+APP_NOT_COUNTED = ("testing.py", "megatron_args.py")
+
+
 def test_the_train_app_stays_a_composition_root():
-    lines = sum(len(p.read_text().splitlines()) for p in _sources("apps/train/src"))
+    lines = sum(len(p.read_text().splitlines()) for p in _sources("apps/train/src") if p.name not in APP_NOT_COUNTED)
     assert lines <= APP_MAX_LINES, f"apps/train/src has {lines} lines (at most {APP_MAX_LINES})"
 
 

@@ -67,7 +67,7 @@ def test_choices_name_the_allowed_values(override, key, allowed):
 
 def test_world_size_must_fit_layout():
     cfg = to_config(compose_config("parallel.tp=2", "parallel.pp=2"))
-    with pytest.raises(ConfigError, match=r"world size 2 is not divisible by parallel.tp \* parallel.pp = 2 \* 2"):
+    with pytest.raises(ConfigError, match=r"world size 2 is not divisible by parallel.tp \* parallel.pp \* parallel.cp = 2 \* 2 \* 1"):
         validate(cfg, world_size=2)
 
 
@@ -95,3 +95,35 @@ def test_cli_reports_config_error_and_missing_data(run_train):
     assert run.returncode != 0
     assert "/nonexistent/corpus.txt" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_context_parallelism_names_what_it_cannot_combine_with():
+    cfg = to_config(compose_config("parallel.cp=2", "parallel.balance.enabled=true", "data.packing=thd",
+                                   "data.seq_length=250"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 cannot combine with parallel.balance.enabled=true"):
+        validate(cfg, world_size=2)
+    cfg = to_config(compose_config("parallel.cp=2", "data.seq_length=250"))
+    with pytest.raises(ConfigError, match=r"data.seq_length=250 must be a multiple of 2 x parallel.cp = 4"):
+        validate(cfg, world_size=2)
+    cfg = to_config(compose_config("parallel.cp=2", "model=deepseek-v32-tiny"))
+    with pytest.raises(ConfigError, match=r"cannot combine with model.foundation.sparse_attention"):
+        validate(cfg, world_size=2)
+
+
+def test_init_from_without_a_chosen_phase_or_rate_gets_the_fine_tuning_recipe():
+    from loong_train.recipe import apply_finetune_recipe
+
+    def recipe(*overrides, phase="pretrain"):
+        raw = compose_config(*overrides)
+        return apply_finetune_recipe(raw, phase, list(overrides)), to_config(raw).optim
+
+    line, optim = recipe("train.init_from=/ckpt", "optim.warmup_steps=3")
+    assert "fine-tuning recipe phase=finetune (optim.lr=0.0001 -> min_lr=1e-05, warm-up 3 steps)" in line
+    assert (optim.lr, optim.min_lr, optim.warmup_steps) == (1e-4, 1e-5, 3)  # the user's warm-up wins
+    for overrides, phase in [(("train.init_from=/ckpt", "optim.lr=3e-3"), "pretrain"),
+                             (("train.init_from=/ckpt", "phase=pretrain"), "pretrain"),
+                             (("train.init_from=/ckpt",), "sft"), ((), "pretrain")]:  # fmt: skip
+        line, optim = recipe(*overrides, phase=phase)
+        assert line is None and optim.lr == 3e-3 or phase == "sft", overrides
+    _, finetune = recipe("phase=finetune", phase="finetune")
+    assert finetune.lr == 1e-4  # the phase loong-convert's printed command names

@@ -31,7 +31,6 @@ def _overrides(res, init_from: Path) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.slow
 def test_one_step_from_hf_dir_equals_converted_checkpoint(hf_and_ckpt, run_train):
     import transformers
     from safetensors.torch import load_file

@@ -74,7 +74,6 @@ def test_resume_reloads_base_and_adapters_on_the_same_loss_curve(base_and_lora):
         assert abs(got[step] - want[step]) <= 1e-5, (step, got[step], want[step])
 
 
-@pytest.mark.slow
 def test_resume_needs_the_same_base(base_and_lora):
     run, base_ckpt, lora = base_and_lora
     out = lora.out_dir.parent / "other-base"
@@ -82,8 +81,9 @@ def test_resume_needs_the_same_base(base_and_lora):
     other_base = base_ckpt.parent.parent.parent / "base-copy"
     shutil.copytree(base_ckpt, other_base)
     other = run(
-        [*LORA, f"train.steps={STEPS + 1}", f"train.init_from={other_base}", "resume=true"], name=out.name
-    )
+        [*LORA, f"train.steps={STEPS + 1}", "train.resume_schedule=rescale", f"train.init_from={other_base}",
+         "resume=true"], name=out.name,
+    )  # fmt: skip
     assert other.returncode != 0
     assert f"was trained on {base_ckpt.absolute()}" in other.stderr
 
@@ -135,7 +135,6 @@ def test_merged_export_equals_the_model_with_adapters(base_and_lora, megatron_cp
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.slow
 def test_lora_on_an_hf_base_exports_merged_weights(runner_factory, tmp_path_factory, megatron_cpu):  # noqa: F811
     from loong_ckpt.online import load_hf_weights
     from loong_ckpt.testing.hf_models import make_hf_model
@@ -161,7 +160,6 @@ def test_lora_on_an_hf_base_exports_merged_weights(runner_factory, tmp_path_fact
         assert torch.equal(source[k], merged[k]) != adapted, k
 
 
-@pytest.mark.slow
 def test_lora_needs_init_from_and_align_needs_something_to_train(run_train):
     no_base = run_train([*LORA, "train.steps=1"], name="no-base")
     assert no_base.returncode != 0 and "model.lora needs train.init_from" in no_base.stderr
@@ -170,14 +168,13 @@ def test_lora_needs_init_from_and_align_needs_something_to_train(run_train):
 
 
 @pytest.mark.dist
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [
-        ["parallel.tp=2"],
-        ["parallel.tp=2", "parallel.sequence_parallel=true"],
-        ["parallel.distributed_optimizer=true"],
-        ["parallel.pp=2"],
+        ["parallel.tp=2"],  # in the default run; the other layouts are slow (a launch each)
+        pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true"], marks=pytest.mark.slow),
+        pytest.param(["parallel.distributed_optimizer=true"], marks=pytest.mark.slow),
+        pytest.param(["parallel.pp=2"], marks=pytest.mark.slow),
     ],
     ids=["tp2", "tp2-sp", "dp2-distopt", "pp2"],
 )

@@ -1,13 +1,11 @@
 """SFT through the real train app: chat conversations, loss on the assistant's tokens only (the
-mask itself: packages/loong-data/tests/test_chat_text.py). Slow: ~1 min of CPU."""
+mask itself: packages/loong-data/tests/test_chat_text.py). ~1 min of CPU."""
 
-import pytest
 
 SFT = ["phase=sft", "model.foundation.vocab_size=8320", "data.seq_length=64", "train.eval_iters=1",
        "optim.lr=3e-3", "train.save_final=false"]  # fmt: skip
 
 
-@pytest.mark.slow
 def test_sft_on_bundled_chat_learns_the_answers(run_train):
     run = run_train([*SFT, "train.steps=12", "train.eval_interval=0"], name="sft").check()
     losses = run.losses()
@@ -17,7 +15,6 @@ def test_sft_on_bundled_chat_learns_the_answers(run_train):
     assert run.records("val")  # held-out conversations are evaluated
 
 
-@pytest.mark.slow
 def test_chat_data_config_errors(run_train):
     thd = run_train([*SFT, "train.steps=1", "data.packing=thd"], name="thd")
     assert (

@@ -19,7 +19,6 @@ def run_dsa(tmp_path, data_cache):
     return make_runner(tmp_path, data_cache, defaults=DSA)
 
 
-@pytest.mark.slow
 def test_tiny_dsa_model_trains_and_loss_falls(run_dsa):
     run = run_dsa(["train.steps=20", "optim.lr=1e-2", "train.eval_interval=0"]).check()
     losses = run.losses()

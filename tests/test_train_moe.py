@@ -43,7 +43,6 @@ def test_tiny_qwen3_moe_trains_and_logs_router_stats(tmp_path, data_cache):
     assert "8 experts top-2" in run.stderr and "experts: ep 1" in run.stderr
 
 
-@pytest.mark.slow
 def test_tiny_deepseek_v3_trains_and_logs_router_stats(tmp_path, data_cache):
     run = runner(tmp_path, data_cache, "deepseek-v3-tiny")(["train.steps=12", "optim.lr=1e-2"]).check()
     losses = run.losses()
@@ -62,15 +61,15 @@ def test_tiny_deepseek_v3_trains_and_logs_router_stats(tmp_path, data_cache):
 
 
 @pytest.mark.dist
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, layout",
     [
-        ("deepseek-v3-tiny", ["parallel.ep=2"]),  # experts 4 + 4, dense part DP=2
+        ("deepseek-v3-tiny", ["parallel.ep=2"]),  # experts 4 + 4, dense part DP=2 (in the default run)
         # dense part TP=2 (+ SP), experts EP=2 with expert TP=1: the same 2 ranks, two layouts
-        (
+        pytest.param(
             "qwen3-moe-tiny",
             ["parallel.ep=2", "parallel.tp=2", "parallel.etp=1", "parallel.sequence_parallel=true"],
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["deepseek-ep2", "qwen3moe-ep2-tp2"],

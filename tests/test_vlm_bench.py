@@ -100,7 +100,38 @@ def test_step_counts_exclude_padding():
     assert real_tokens(mb, pad_id=0) == 7
     counts = step_counts([mb, mb], TINY.vision, pad_id=0)
     assert (counts.tokens, counts.images, counts.patches) == (14, 2, 16)
+    assert counts.token_pairs == 2 * 7 * 7  # attention over the real sample, not the 9-token pack
     assert counts.vision_flops == pytest.approx(2 * vision_flops(TINY.vision, mb["image_grid_thw"]))
+
+
+def test_attention_flops_come_from_real_sample_lengths():
+    from vlm_flops import llm_flops, llm_flops_packed
+
+    t = TINY.text
+    one_long = llm_flops_packed(t.num_parameters(), t.num_layers, t.hidden, tokens=64, token_pairs=64 * 64)
+    assert one_long == llm_flops(t.num_parameters(), t.num_layers, t.hidden, seq_length=64, tokens=64)
+    four_short = llm_flops_packed(t.num_parameters(), t.num_layers, t.hidden, tokens=64, token_pairs=4 * 16 * 16)
+    assert one_long - four_short == 6 * t.num_layers * t.hidden * (64 * 64 - 4 * 16 * 16)
+
+
+def test_the_bench_refuses_runs_that_saw_different_data():
+    from vlm_throughput import Row, check_same_data
+
+    def row(name, **change):
+        counts = [{"tokens": 100, "images": 4, "samples": 2, "digest": 11}, {"tokens": 120, "images": 4, "samples": 2,
+                  "digest": 22}, {"tokens": 90, "images": 3, "samples": 2, "digest": 33}]  # fmt: skip
+        for key, (step, value) in change.items():
+            counts[step - 1][key] = value
+        return Row(name, [1.0] * 3, 1.0, counts)
+
+    check_same_data([row("loong"), row("hf")])
+    for change, what in [({"digest": (2, 23)}, "step 2 digest 22 != 23"), ({"tokens": (2, 121)}, "step 2 tokens"),
+                         ({"images": (3, 2)}, "step 3 images"), ({"samples": (1, 3)}, "step 1 samples")]:  # fmt: skip
+        with pytest.raises(SystemExit, match=what):
+            check_same_data([row("loong"), row("hf", **change)])
+    short = Row("hf", [1.0] * 2, 1.0, row("x").counts[:2])
+    with pytest.raises(SystemExit, match="ran 3 steps"):
+        check_same_data([row("loong"), short])
 
 
 def test_hf_loss_is_the_contract_loss():
@@ -141,6 +172,11 @@ def test_bench_data_feeds_both_stacks_the_same_images(tmp_path):
     image_tokens = sum(int((mb["tokens"] == cfg.model.image_token_id).sum()) for mb in mbs)
     assert image_tokens == 12 * 4  # 16 patches / merge 2x2 per image
     assert sum(mb["pixel_values"].shape[0] for mb in mbs) == 12 * 16
+    # the digest both stacks report: the same for the same step's micro-batches, another for the next
+    from loong_data.step_data import batch_digest
+
+    steps = run_data(cfg, step_layout(cfg, num_microbatches=4)).train_steps()
+    assert batch_digest(next(steps)) == batch_digest(mbs) != batch_digest(next(steps))
 
 
 def _two_samples():

@@ -37,7 +37,6 @@ def _tensors(ckpt, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     return {k: t for k, (_, t) in regions.items()}
 
 
-@pytest.mark.slow
 def test_vlm_job_learns_checkpoints_and_resumes(run_vlm):
     full = run_vlm([*SHORT, "optim.lr=3e-3"], name="full").check()
     losses = full.losses()
@@ -146,12 +145,12 @@ def vlm_reference(vlm_init):
     return init, common, run(common, name="single").check().losses()
 
 
-@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "layout",
     [
-        [],  # DP=2: each rank packs and encodes its half of every global batch
+        # DP=2: each rank packs and encodes its half of every global batch (slow: TP=2 covers 2 ranks)
+        pytest.param([], marks=pytest.mark.slow),
         ["parallel.tp=2"],
         # encoder TP=1 inside TP=2: see the next test
     ],

@@ -174,11 +174,14 @@ def _edit_config(src: Path, dst: Path, **changes) -> Path:
         ("deepseek-v3", {"rope_interleave": False}, "rope_interleave=False is not supported for deepseek-v3"),
         ("deepseek-v3", {"q_lora_rank": None}, "q_lora_rank=None is not supported for deepseek-v3: MLA without a query latent builds"),
         ("deepseek-v3", {"topk_group": 2}, "topk_group=2 .*num_experts_per_tok / topk_group must be 2"),
-        ("deepseek-v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
-         "rope type 'yarn' is not supported; allowed: default"),
+        ("deepseek-v3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}},
+         "rope type 'dynamic' is not supported; allowed: yarn"),
+        ("deepseek-v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 64, "truncate": False}},
+         "yarn RoPE needs 'factor' and megatron's defaults for 'attention_factor'"),
     ],
     ids=["qwen3-moe-unnormalised-topk", "qwen3-moe-dense-layer-inside", "deepseek-no-rope-interleave", "deepseek-no-q-latent",
-         "deepseek-group-ranking", "deepseek-yarn"],
+         "deepseek-group-ranking", "deepseek-dynamic-rope", "deepseek-yarn-untruncated"],
 )  # fmt: skip
 def test_unrepresentable_moe_or_mla_config(family, changes, match, converted, tmp_path):
     hf = _edit_config(converted(family).hf, tmp_path / "hf", **changes)
@@ -244,3 +247,17 @@ def test_expert_parallel_layout_is_checked(converted, tmp_path):
         "ep": 2,
     }
     _nothing_left(tmp_path / "x")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_safetensors_fails_in_one_line_naming_the_file(converted, tmp_path, capsys, damage):
+    from loong_ckpt.cli import main
+
+    hf = _copy(converted("llama").hf, tmp_path / "hf")
+    shard = hf / sorted(set(json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"].values()))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x93NUMPY not safetensors" * 40)
+    assert main(["hf-to-mcore", str(hf), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {shard}: not a readable safetensors file") and "\n" not in err, err
+    _nothing_left(tmp_path / "out")

@@ -115,3 +115,13 @@ def _mcore_shape(rule: Rule) -> tuple[int, ...]:
 def test_rule_arity_is_checked():
     with pytest.raises(ValueError, match="does not take 2 tensors"):
         Rule("x", ("a", "b"), Split.COLUMN, QKV)
+
+
+def test_float_config_fields_compare_with_a_tolerance():
+    from loong_ckpt.hf_config import arch_diff, same_architecture
+
+    a = FoundationConfig(norm_epsilon=1e-5, rotary_base=10000.0)
+    b = FoundationConfig(norm_epsilon=1.0000000000000001e-05 * (1 + 1e-9), rotary_base=10000)
+    assert same_architecture(a, b) and arch_diff(a, b) == []
+    c = FoundationConfig(norm_epsilon=1e-6)
+    assert not same_architecture(a, c) and arch_diff(a, c) == ["norm_epsilon: 1e-05 != 1e-06"]

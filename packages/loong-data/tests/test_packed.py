@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loong_data import PackedTextDataset, TextTokenizer, collate, prepare_text_dataset
+from loong_data import DataError, PackedTextDataset, TextTokenizer, collate, prepare_text_dataset
 
 
 def test_samples_are_shifted_windows(corpus_dir: Path, tokenizer: TextTokenizer, tmp_path: Path) -> None:
@@ -39,11 +39,11 @@ def test_accepts_path_prefix(corpus_dir: Path, tokenizer: TextTokenizer, tmp_pat
     assert len(PackedTextDataset(tmp_path / "out" / "train", 128)) > 0
 
 
-def test_corpus_shorter_than_one_sample(tokenizer: TextTokenizer, tmp_path: Path) -> None:
+def test_corpus_shorter_than_one_sample_names_the_source_not_the_cache(tokenizer: TextTokenizer, tmp_path: Path) -> None:
     src = tmp_path / "tiny.txt"
     src.write_text("Exeunt.", encoding="utf-8")
     corpus = prepare_text_dataset(src, tokenizer, tmp_path / "out", val_fraction=0)
-    with pytest.raises(ValueError, match=rf"{corpus.train.bin_path} has \d+ tokens, fewer than one sample"):
+    with pytest.raises(DataError, match=rf"^{src}: the train split has \d+ tokens, too few: one sample of seq_length 32"):
         PackedTextDataset(corpus.train, seq_length=32)
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loong_data import TextTokenizer, TokenFile, prepare_text_dataset
+from loong_data import DataError, TextTokenizer, TokenFile, prepare_text_dataset
 
 
 def _docs(tf: TokenFile) -> list[list[int]]:
@@ -93,6 +93,17 @@ def test_jsonl_without_text_names_file_and_line(tokenizer: TextTokenizer, tmp_pa
     src.write_text('{"text": "fine"}\n{"text": \n', encoding="utf-8")
     with pytest.raises(ValueError, match=rf"{src}:2: invalid JSON"):
         prepare_text_dataset(src, tokenizer, tmp_path / "out")
+
+
+def test_non_utf8_source_names_file_and_offset(tokenizer: TextTokenizer, tmp_path: Path) -> None:
+    binary = tmp_path / "weights.txt"
+    binary.write_bytes(b"fine start \xb3\x00\xff")
+    with pytest.raises(DataError, match=rf"^{binary}: not UTF-8 text \(byte 0xb3 at offset 11\)"):
+        prepare_text_dataset(binary, tokenizer, tmp_path / "out")
+    lines = tmp_path / "lines.jsonl"
+    lines.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    with pytest.raises(DataError, match=rf"^{lines}:2: not UTF-8 text"):
+        prepare_text_dataset(lines, tokenizer, tmp_path / "out")
 
 
 def test_missing_and_unsupported_sources(tokenizer: TextTokenizer, tmp_path: Path) -> None:

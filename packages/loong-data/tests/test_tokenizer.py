@@ -67,3 +67,14 @@ def test_training_script_reproduces_bundled_tokenizer(tmp_path: Path) -> None:
     out = tmp_path / "tokenizer.json"
     assert main(["--out", str(out)]) == 0
     assert out.read_bytes() == default_tokenizer().read_bytes()
+
+
+@pytest.mark.parametrize("declared", ["<|endoftext|>", {"content": "<|endoftext|>", "special": True}])
+def test_pad_token_comes_from_the_tokenizers_own_config(tmp_path: Path, declared) -> None:
+    shutil.copy(default_tokenizer(), tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": declared}), encoding="utf-8")
+    tok = load_tokenizer(tmp_path)
+    assert tok.pad_id == tok.eod_id == tok.encode("<|endoftext|>")[0]
+    assert load_tokenizer(tmp_path, pad_token=PAD_TOKEN).pad_id == tok.encode(PAD_TOKEN)[0]  # asked for: wins
+    (tmp_path / "tokenizer_config.json").write_text("{}", encoding="utf-8")
+    assert load_tokenizer(tmp_path).pad_id == tok.encode(PAD_TOKEN)[0]  # none declared: <|pad|>

@@ -27,7 +27,6 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.slow
 def test_encoder_tp_and_pipeline_layouts_match_one_process(tmp_path):
     launch(1, ["1,1,1"], tmp_path)
     launch(2, ["2,1,1", "2,1,2", "1,2,1"], tmp_path)

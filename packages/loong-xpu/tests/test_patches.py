@@ -84,7 +84,7 @@ def test_megatron_optimizer_kernels_are_host_ones_on_redirected_devices(monkeypa
         assert megatron_optimizer.USING_PYTORCH_OPTIMIZER is True
         assert megatron_optimizer.Adam is torch.optim.AdamW
         assert clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier
-        assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+        assert clip_grads.l2_norm_impl is not cuda_only  # Loong's fp64-accumulating norm (next test)
         assert optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale
         # and megatron's norm computation now runs on host tensors
         grads = [torch.ones(3), torch.ones(4)]
@@ -94,6 +94,25 @@ def test_megatron_optimizer_kernels_are_host_ones_on_redirected_devices(monkeypa
         assert torch.allclose(norm, torch.tensor(7.0).sqrt())
     for (module, name), value in bindings.items():
         assert getattr(module, name) is value
+
+
+def test_host_gradient_norm_is_exact_where_megatrons_fallback_is_not():
+    """A large gradient with a few big entries (an embedding's rows of frequent tokens): megatron's
+    fp32 fallback drifts from the exact norm, the patched one agrees with fp64 to fp32 rounding."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    g = torch.randn(4_000_000, generator=torch.Generator().manual_seed(0)) * 1e-3
+    g[:64] = 3.0
+    grads = [g, torch.randn(1000, generator=torch.Generator().manual_seed(1))]
+    exact = torch.cat([t.double() for t in grads]).norm().item()
+
+    def rel(norm_impl) -> float:
+        return abs(utils.local_multi_tensor_applier(norm_impl, None, [grads], False)[0].item() - exact) / exact
+
+    with redirect_cuda(get_accelerator("cpu")):
+        assert rel(clip_grads.l2_norm_impl) < 1e-7
+        assert rel(utils.local_multi_tensor_l2_norm) > 1e-6  # what TP=2 on the CPU used to see
 
 
 def test_moe_dispatcher_split_sizes_become_host_numpy():
@@ -118,3 +137,21 @@ def test_recomputed_forwards_keep_the_device_redirect():
         y = checkpoint(lambda t: t * torch.full((3,), 2.0, device=torch.cuda.current_device()), False, x)
         y.sum().backward()
         assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_megatron_context_parallel_rope_slice_runs_on_the_host():
+    """megatron pins the CP rank's RoPE chunk index in host memory; pinning needs CUDA."""
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    class TwoRanks:  # the group interface the function reads
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    emb = torch.arange(8.0).reshape(8, 1, 1, 1)
+    with redirect_cuda(get_accelerator("cpu")):
+        local = get_pos_emb_on_this_cp_rank(emb, 0, TwoRanks())
+    # rank 1 of 2 holds chunks 1 and 2 of 4 (load-balanced zigzag)
+    assert local.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]

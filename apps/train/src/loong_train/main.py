@@ -34,10 +34,20 @@ def to_config(raw: DictConfig):
 
 @hydra.main(config_path="configs", config_name="config", version_base=None)
 def _hydra_main(raw: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from loong_ckpt import ConversionError
+    from loong_ckpt.restore import UNUSABLE_CHECKPOINT
     from loong_data.step_data import DataError
+    from loong_parallel import NonFiniteError
+    from loong_train.recipe import apply_finetune_recipe
     from loong_train.schema import ConfigError
     from loong_train.trainer import Trainer
 
+    hydra_cfg = HydraConfig.get()
+    recipe = apply_finetune_recipe(raw, hydra_cfg.runtime.choices.get("phase"), list(hydra_cfg.overrides.task))
+    if recipe and int(os.environ.get("RANK", 0)) == 0:
+        logging.getLogger("loong_train").info(recipe)
     try:
         cfg = to_config(raw)
     except OmegaConfBaseException as e:
@@ -46,7 +56,7 @@ def _hydra_main(raw: DictConfig) -> None:
         summary = Trainer(cfg).fit()
     except (ConfigError, DataError) as e:
         sys.exit(f"config error: {e}")
-    except FileNotFoundError as e:
+    except (ConversionError, FileNotFoundError, NonFiniteError, *UNUSABLE_CHECKPOINT) as e:  # one-line messages
         sys.exit(f"error: {e}")
     if int(os.environ.get("RANK", 0)) == 0:
         print(_report(summary), flush=True)
@@ -76,8 +86,16 @@ def _report(s) -> str:
 
 
 def main() -> None:
+    from loong_train.megatron_args import hydra_argv
+
     quiet_megatron()
+    from loong_train.overrides import check_overrides
+    from loong_train.schema import Config
+
+    if (message := check_overrides(sys.argv[1:], Config)) is not None:
+        sys.exit(f"config error: {message}")
     _setup_logging()
+    sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]  # `train --megatron -- <flags>`: megatron_args.py
     _hydra_main()
 
 

@@ -87,11 +87,12 @@ class StepWindow:
         record = {
             "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_s": tps, "tokens_per_s_per_device": tps / world_size, "step_time_s": self.step_time,
-            "skipped": result.skipped,
+            "skipped": result.skipped, "nonfinite": result.nonfinite, "tokens": self.tokens,  # in the window: the step when log_interval=1
         }  # fmt: skip
         if self.has_media:
             record["images_per_s"] = self.images / elapsed  # + the last step's data (benches compare stacks):
-            record.update(step_tokens=self.last.tokens, step_images=self.last.images, step_samples=self.last.samples)
+            record.update(step_tokens=self.last.tokens, step_images=self.last.images, step_samples=self.last.samples,
+                          step_digest=self.last.digest)
         if peak_flops:
             record["mfu"] = self.flops / elapsed / world_size / peak_flops
         return record, {"loss": f"{result.loss:.4f}", "tok_s": f"{tps:,.0f}"}

@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from loong_ckpt.run_dir import ResumeSchedule
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
+from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_parallel.encoder_layout import encoder_layout_errors
 
 
@@ -34,7 +36,10 @@ class TrainConfig:
     eval_iters: int = 4
     save_interval: int = 0  # 0 = save at the end only
     save_final: bool = True  # save a checkpoint when the run ends (benchmarks turn it off)
-    keep_last: int = 2  # complete checkpoints kept
+    keep_last: int = 2  # complete checkpoints kept (and always the newest one that verified)
+    overwrite: bool = False  # a fresh run may replace another run's output in output_dir
+    resume_schedule: ResumeSchedule = ResumeSchedule.refuse
+    nonfinite_limit: int = 5  # steps in a row with a NaN / Inf loss or gradient (each skipped) before the run stops
     init_from: str | None = None  # model weights (not optimizer) from a checkpoint or an HF directory
     export_hf: bool = False  # write HF weights (output_dir/hf/step_N) at the end ...
     export_hf_interval: int = 0  # ... and every N steps (0 = only at the end)
@@ -48,7 +53,7 @@ class TrainConfig:
         if self.export_hf_interval < 0:
             errors.append(f"train.export_hf_interval={self.export_hf_interval} must be >= 0 (0 = at the end only)")
         errors += [f"train.{key}={getattr(self, key)} must be >= 1"
-                   for key in ("micro_batch_size", "global_batch_size", "log_interval") if getattr(self, key) < 1]  # fmt: skip
+                   for key in ("micro_batch_size", "global_batch_size", "log_interval", "nonfinite_limit") if getattr(self, key) < 1]  # fmt: skip
         return errors
 
 
@@ -84,13 +89,14 @@ def validate(cfg: Config, world_size: int) -> int:
 
 
 def _validate_packages(cfg: Config, world_size: int) -> None:
-    f, moe = cfg.model.foundation, cfg.model.foundation.moe
+    shape = cfg.model.layout_shape()  # the trained transformer's (the foundation, or a DiT)
+    moe = shape["moe"]
     cfg.model.validate()  # every component (foundation, image encoder, projector, token ids)
     if cfg.model.lora is not None:
         cfg.model.lora.validate()
     cfg.optim.validate()
     cfg.parallel.validate(
-        world_size, f.num_layers, f.num_attention_heads, f.query_groups,
+        world_size, shape["num_layers"], shape["num_attention_heads"], shape["query_groups"],
         num_experts=moe.num_experts if moe else None, expert_ffn_hidden_size=moe.ffn_hidden_size if moe else None,
         has_shared_experts=bool(moe and moe.shared_expert_intermediate_size),
     )  # fmt: skip
@@ -115,7 +121,21 @@ def _cross_package_errors(cfg: Config) -> list[str]:
     if d.kind == "multimodal" and cfg.model.image_encoder is None:
         errors.append("data.kind=multimodal (images in the data) but model.image_encoder is null: the model "
                       "cannot see images; choose a VLM, e.g. model=tiny-vlm")  # fmt: skip
-    return errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
+    if (d.kind == "diffusion") != cfg.model.is_diffusion:
+        errors.append(f"data.kind={d.kind} with model.diffusion={'set' if cfg.model.is_diffusion else 'null'}: a "
+                      "diffusion model (e.g. model=wan-tiny) trains on data.kind=diffusion, and only it does")  # fmt: skip
+    return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
+            + _context_parallel_errors(cfg))
+
+
+def _context_parallel_errors(cfg: Config) -> list[str]:
+    f, d = cfg.model.foundation, cfg.data
+    return context_parallel_conflicts(cfg.parallel, seq_length=d.seq_length, features={
+        "model.foundation.sparse_attention (DeepSeek sparse attention)": f.sparse_attention is not None,
+        "model.foundation.mla (multi-latent attention: no CP parity test yet)": f.mla is not None,
+        "data.kind=multimodal (the VLM path has no CP split yet)": d.kind == "multimodal",
+        "parallel.balance.enabled=true (the DP balancer would split a CP group's samples)": cfg.parallel.balance.enabled,
+    })  # fmt: skip
 
 
 def _balance_errors(cfg: Config) -> list[str]:
@@ -130,7 +150,11 @@ def _balance_errors(cfg: Config) -> list[str]:
 
 
 def patch_geometry(model: ModelConfig) -> PatchGeometry | None:
-    """How the model cuts images into patches: the data's image processor follows the model."""
+    """How the model cuts images into patches: the data's image processor follows the model (a
+    diffusion model: its DiT's latent patch, frames x height x width)."""
+    if model.diffusion is not None:
+        pf, ph, pw = model.diffusion.patch_size
+        return PatchGeometry(patch_size=ph, temporal_patch_size=pf, merge_size=1)
     e = model.image_encoder
     if e is None:
         return None

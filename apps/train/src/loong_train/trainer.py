@@ -25,8 +25,8 @@ from loong_ckpt.training import save_checkpoint
 from loong_data.step_data import StepCounts, StepData, StepLayout, build_step_data
 from loong_parallel import (
     DataParallel,
-    LanguageModel,
     ModelKind,
+    NonFiniteGuard,
     StepResult,
     build_balancer,
     build_model_chunks,
@@ -36,6 +36,7 @@ from loong_parallel import (
     init_distributed,
     initialize_model_parallel,
     microbatch_iterators,
+    model_kind,
     rng_state,
     schedule_shape,
     seed_everything,
@@ -43,6 +44,7 @@ from loong_parallel import (
     shutdown,
     train_step,
 )
+from loong_train.capabilities import check_features
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, StepWindow, progress_bar
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
@@ -69,6 +71,7 @@ def step_layout(cfg: Config, *, num_microbatches: int, dp: DataParallel | None =
     t = cfg.train
     return StepLayout(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
                       num_microbatches=num_microbatches, eval_iters=t.eval_iters, seed=t.seed, device=device,
+                      segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
                       **(dict(dp_rank=dp.rank, dp_size=dp.size, dp_group=dp.group) if dp else {}))  # fmt: skip
 
 
@@ -101,6 +104,7 @@ class Trainer:
         """Devices and process groups, data, model chunks, optimizer, metrics."""
         cfg, t = self.cfg, self.cfg.train
         self.accel = get_accelerator(None if t.device == "auto" else t.device)
+        check_features(cfg, self.accel)  # capabilities.py: e.g. layer_backend=te on a backend without TE
         self._exit.enter_context(redirect_cuda(self.accel))
         owns_process_group = not dist.is_initialized()
         env = init_distributed(self.accel)
@@ -113,7 +117,7 @@ class Trainer:
         self.dp = data_parallel()
         layout = step_layout(cfg, num_microbatches=self.num_microbatches, dp=self.dp, device=self.device)
         self.data = data(layout) if data else run_data(cfg, layout, is_main=self.is_main)
-        self.model = model or LanguageModel.from_config(cfg.model, self.accel.device_type)
+        self.model = model or model_kind(cfg.model, self.accel.device_type, seed=t.seed)
         self._build_model()
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, cfg.parallel, self.chunks, dtype=self.dtype,
                                                          total_steps=t.steps)  # fmt: skip
@@ -143,7 +147,8 @@ class Trainer:
         try:
             restored = restore(self.out_dir / "checkpoints", self.chunks, self.optimizer, self.scheduler,
                                model_cfg=self.cfg.model, init_from=t.init_from, resume=self.cfg.resume,
-                               rng_state_template=rng_state(self.accel))  # fmt: skip
+                               rng_state_template=rng_state(self.accel), config=self.cfg, overwrite=t.overwrite,
+                               resume_schedule=t.resume_schedule)  # fmt: skip
         except RestoreError as e:
             raise ConfigError(str(e)) from None
         if restored.rng is not None:
@@ -161,6 +166,7 @@ class Trainer:
             for step in range(self.start_step + 1, t.steps + 1):
                 result = self.step(step)
                 self._log(step, result)
+                self.nonfinite.observe(step, result)  # raises after train.nonfinite_limit in a row
                 if step != t.steps:
                     self._periodic(step)
             self._finish()
@@ -184,8 +190,9 @@ class Trainer:
         self.bar = progress_bar(t.steps, self.start_step, enabled=self.is_main and t.progress)
         self._exit.callback(self.bar.close)
         self.window = StepWindow()
-        self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from,
+        self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from, config=self.cfg,
                                   tokens_per_step=t.global_batch_size * self.cfg.data.seq_length)  # fmt: skip
+        self.nonfinite = NonFiniteGuard(t.nonfinite_limit)
         self._log_start()
 
     def step(self, step: int) -> StepResult:
@@ -260,7 +267,7 @@ class Trainer:
         t, s = self.cfg.train, self.summary
         s.first_loss = result.loss if s.first_loss is None else s.first_loss
         s.last_loss = result.loss
-        if step % t.log_interval == 0 or step == t.steps:
+        if step % t.log_interval == 0 or step == t.steps or result.nonfinite:  # every skipped step on record
             record, postfix = self.window.record(step, result, world_size=self.world_size,
                                                  peak_flops=self.accel.peak_flops(self.dtype))  # fmt: skip
             s.tokens_per_s = record["tokens_per_s"]

@@ -2,6 +2,7 @@
 
 loong-convert hf-to-mcore <hf dir> <out dir> [--tp N] [--pp N] [--ep N] [--dtype auto|fp32|bf16|fp16]
 loong-convert mcore-to-hf <checkpoint dir> <out dir> [--dtype ...] [--tokenizer DIR]
+loong-convert mcore-to-peft <LoRA checkpoint dir> <out dir> [--base-model NAME]
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     for p in (a, b):
         p.add_argument("--dtype", default="auto", help="auto (keep), fp32, bf16 or fp16")
-        p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = sub.add_parser("mcore-to-peft", help="LoRA checkpoint (adapters only) -> PEFT adapter directory")
+    c.add_argument("src", type=Path, help="LoRA checkpoint directory (a run with model.lora)")
+    c.add_argument("out", type=Path, help="output adapter directory (adapter_config.json + safetensors)")
+    c.add_argument("--base-model", help="base_model_name_or_path to record (default: the run's base weights)")
+    for p in (a, b, c):
+        p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     return ap
 
 
@@ -61,15 +67,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from loong_ckpt.convert import hf_to_mcore, mcore_to_hf
     from loong_ckpt.hf_config import ConversionError
+    from loong_ckpt.safe_load import UnsafeCheckpointError
 
     try:
-        if args.command == "hf-to-mcore":
+        if args.command == "mcore-to-peft":
+            from loong_ckpt.peft import export_peft
+
+            print(f"wrote {export_peft(args.src, args.out, base_model=args.base_model, force=args.force)}")
+        elif args.command == "hf-to-mcore":
             res = hf_to_mcore(args.src, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype, name=args.name,
                               force=args.force, progress=not args.no_progress)  # fmt: skip
             print(
                 f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
             )
-            print(f"train from it:\n  {res.command}")
+            if res.command:  # a diffusers Wan conversion has none (its model is model.diffusion)
+                print(f"fine-tune from it (phase=finetune: a fine-tuning rate; phase=pretrain for pretraining rates):"
+                      f"\n  {res.command}")  # fmt: skip
         else:
             foundation = _load_foundation_yaml(args.model_yaml) if args.model_yaml else None
             res = mcore_to_hf(args.src, args.out, dtype=args.dtype, tokenizer=args.tokenizer, foundation=foundation,
@@ -78,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
             )
-    except (ConversionError, FileNotFoundError) as e:
+    except (ConversionError, UnsafeCheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

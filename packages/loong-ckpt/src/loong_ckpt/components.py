@@ -178,6 +178,8 @@ def model_to_hf(cfg: Any, dtype: torch.dtype, base: dict[str, Any] | None = None
     describes the same architecture, so HF -> Loong -> HF returns it unchanged."""
     from loong_ckpt.hf_config import to_hf_config
 
+    if base is not None:  # Loong writes unquantised weights (an FP8 source is dequantised on load)
+        base = {k: v for k, v in base.items() if k != "quantization_config"}
     if not is_composed(cfg):
         return to_hf_config(foundation_of(cfg), dtype, base)
     m = mapping_of(cfg)
@@ -238,8 +240,13 @@ _COMPONENT_KEYS = ("image_encoder", "image_projector")
 
 def checkpoint_meta(cfg: Any) -> dict[str, Any]:
     """What loong.json records of the model: ``foundation`` (as for text models), plus the other
-    components and the model-level fields of a composed model under ``model``."""
+    components and the model-level fields of a composed model under ``model``; a diffusion model
+    records its ``model`` only (``model.diffusion``: its transformer, read by loong-convert)."""
+    if getattr(cfg, "diffusion", None) is not None:
+        return {"model": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "foundation"}}
     meta: dict[str, Any] = {"foundation": dataclasses.asdict(foundation_of(cfg))}
+    if getattr(cfg, "embodied", None) is not None:  # a policy: its own config is the model
+        return {"embodied": dataclasses.asdict(cfg.embodied)}
     if is_composed(cfg):
         model = dataclasses.asdict(cfg)
         model.pop("foundation")
@@ -249,6 +256,12 @@ def checkpoint_meta(cfg: Any) -> dict[str, Any]:
 
 def config_from_meta(meta: dict[str, Any]) -> Any:
     """Inverse of :func:`checkpoint_meta` (a FoundationConfig when no composed model is recorded)."""
+    if (meta.get("model") or {}).get("diffusion"):
+        from omegaconf import OmegaConf
+
+        from loong_models import ModelConfig
+
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["model"]))
     foundation = foundation_from_dict(meta["foundation"])
     model = meta.get("model")
     if not model or not model.get("image_encoder"):
@@ -305,7 +318,7 @@ def write_any_model_yaml(cfg: Any, configs_dir: Path, name: str) -> Path:
 
 def component_diff(a: Any, b: Any) -> str:
     """The architecture fields two model configs disagree on, as ``component.key: a (HF) != b``."""
-    from loong_ckpt.hf_config import ARCH_FIELDS
+    from loong_ckpt.hf_config import ARCH_FIELDS, same_value
 
     if is_composed(a) != is_composed(b):
         return f"image_encoder: {getattr(a, 'image_encoder', None)!r} (HF) != {getattr(b, 'image_encoder', None)!r}"
@@ -314,7 +327,7 @@ def component_diff(a: Any, b: Any) -> str:
     diffs += [
         f"foundation.{k}: {fa[k]!r} (HF) != {fb[k]!r}"
         for k in (*ARCH_FIELDS, "mrope_section")
-        if fa[k] != fb[k]
+        if not same_value(fa[k], fb[k])
     ]
     if is_composed(a):
         for comp in _COMPONENT_KEYS:
@@ -322,10 +335,10 @@ def component_diff(a: Any, b: Any) -> str:
             diffs += [
                 f"{comp}.{k}: {ca[k]!r} (HF) != {cb[k]!r}"
                 for k in ca
-                if k not in _RUNTIME_KNOBS and ca[k] != cb[k]
+                if k not in _RUNTIME_KNOBS and not same_value(ca[k], cb[k])
             ]
         ma, mb = dataclasses.asdict(a), dataclasses.asdict(b)
         skip = (*_COMPONENT_KEYS, "foundation", "layer_backend")
-        diffs += [f"{k}: {ma[k]!r} (HF) != {mb[k]!r}" for k in ma if k not in skip and ma[k] != mb[k]]
+        diffs += [f"{k}: {ma[k]!r} (HF) != {mb[k]!r}" for k in ma if k not in skip and not same_value(ma[k], mb[k])]
     return "; ".join(diffs) or "head_dim / KV groups differ"
 

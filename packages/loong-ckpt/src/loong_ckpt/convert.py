@@ -33,8 +33,15 @@ from loong_ckpt.components import (
     same_model,
     write_any_model_yaml,
 )
+from loong_ckpt.diffusion import (
+    diffusers_to_mcore,
+    is_diffusers_wan,
+    is_diffusion_checkpoint,
+    mcore_to_diffusers,
+)
 from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
+from loong_ckpt.integrity import check_files, hash_files, listed_files
 from loong_ckpt.log import logger
 from loong_ckpt.mapping import Rule, Unit, layer_key, locate, units
 from loong_ckpt.mcore_io import Chunk, model_template, read_metadata, read_regions, write_checkpoint
@@ -163,19 +170,11 @@ def check_hf_extras(reader: HFReader, cfg: FoundationConfig) -> None:
         )
 
 
-def hf_to_mcore(
-    src: str | Path,
-    out: str | Path,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    dtype: str | None = None,
-    name: str | None = None,
-    force: bool = False,
-    progress: bool = True,
-) -> ConvertResult:
-    """Convert an HF directory into a complete Loong checkpoint directory ``out``."""
+def hf_to_mcore(src: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None,
+                name: str | None = None, force: bool = False, progress: bool = True) -> ConvertResult:  # fmt: skip
+    """Convert an HF directory (or a diffusers Wan transformer) into a Loong checkpoint ``out``."""
+    if is_diffusers_wan(src):
+        return diffusers_to_mcore(src, out, dtype=dtype, force=force, progress=progress)
     t0 = time.perf_counter()
     src, out = Path(src), Path(out).absolute()
     check_output_dir(out, force)
@@ -249,8 +248,11 @@ def hf_to_mcore(
         }
         if naming is not None:
             meta["hf_naming"] = naming  # exported back with the same tensor names
+        meta["files"] = hash_files(tmp, listed_files(tmp, META_FILE))  # checked by train.init_from
         _write_atomic(tmp / META_FILE, json.dumps(meta, indent=2))
-    command = f"uv run train 'hydra.searchpath=[file://{out}/configs]' model={name} train.init_from={out}"
+    # phase=finetune: the app's fine-tuning rates (pretraining rates undo pretrained weights)
+    command = (f"uv run train 'hydra.searchpath=[file://{out}/configs]' model={name} train.init_from={out} "
+               "phase=finetune")  # fmt: skip
     if any(f.startswith("tokenizer") for f in copied):
         command += f" data.tokenizer={out}"
     if tp > 1 or pp > 1:
@@ -319,10 +321,16 @@ def mcore_to_hf(
     check_output_dir(out, force)
     if src.name.endswith(PARTIAL_SUFFIX):
         raise ConversionError(f"{src} is an incomplete checkpoint (interrupted save); it cannot be converted")
+    meta_path = src / META_FILE
+    if meta_path.is_file() and is_diffusion_checkpoint(meta := json.loads(meta_path.read_text())):
+        return mcore_to_diffusers(src, out, meta, dtype=dtype, force=force, max_shard_bytes=max_shard_bytes)
     model_cfg, meta = _checkpoint_model(src, foundation)
+    verify_files(src, meta)
     cfg = foundation_of(model_cfg)
     lora = meta.get("lora")
     base = _lora_base(src, lora) if lora else src
+    if base != src and not is_hf_dir(base):
+        verify_files(base, json.loads((base / META_FILE).read_text()))
     out_dtype = parse_dtype(dtype)
     if is_hf_dir(base):  # a LoRA run that started from HF weights
         plan_u, plan, final_dtype, read_group = _hf_base(base, model_cfg, out_dtype)
@@ -359,6 +367,15 @@ def mcore_to_hf(
         "wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(plan), res.seconds, res.peak_rss_mib
     )
     return res
+
+
+def verify_files(path: Path, meta: dict) -> None:
+    """A checkpoint's files against the SHA-256 its loong.json records (a megatron checkpoint
+    without one is read unverified, with a warning)."""
+    if "files" not in meta:
+        logger.warning("%s records no file hashes: converting it unverified", path)
+    elif problems := check_files(path, meta["files"]):
+        raise ConversionError(f"{path} failed its integrity check: {'; '.join(problems)}")
 
 
 def _mcore_base(src: Path, cfg: FoundationConfig, bound: list, out_dtype):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from loong_ckpt.families import supported_architectures
 from loong_models import FoundationConfig, RopeScaling, get_family
 from loong_models.foundation import MLAConfig, MoEConfig
+from loong_models.foundation.config import ROPE_TYPE_FIELDS
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -164,11 +166,15 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> Foundatio
     theta, scaling = _rope(hf)
     rope_scaling = None
     if scaling is not None:
-        if scaling.get("type") != "llama3" or fam.attention == "mla":
-            allowed = "default" if fam.attention == "mla" else "llama3"
+        allowed = "yarn" if fam.attention == "mla" else "llama3"
+        if scaling.get("type") != allowed:
             raise ConversionError(
                 f"{source}: rope type {scaling.get('type')!r} is not supported; allowed: {allowed}"
             )
+        if allowed == "yarn" and (scaling.get("attention_factor") is not None or scaling.get("truncate", True) is not True
+                                  or scaling.get("factor") is None):  # fmt: skip
+            raise ConversionError(f"{source}: yarn RoPE needs 'factor' and megatron's defaults for 'attention_factor' "
+                                  f"(derived from mscale / mscale_all_dim) and 'truncate' (true); got {scaling}")  # fmt: skip
         rope_scaling = RopeScaling(**{k: v for k, v in scaling.items() if k in _ROPE_FIELDS})
     moe = None
     if fam.moe != "never":
@@ -220,14 +226,26 @@ def _arch_dict(c: FoundationConfig) -> dict[str, Any]:
     return d
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Equal, with floats equal to a relative 1e-6: ``norm_epsilon`` 1e-5 written by one tool reads
+    back as 1.0000000000000001e-05 from another, and that is the same model."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, int | float) and isinstance(b, int | float) and math.isclose(a, b, rel_tol=1e-6)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def same_architecture(a: FoundationConfig, b: FoundationConfig) -> bool:
-    return _arch_dict(a) == _arch_dict(b)
+    return same_value(_arch_dict(a), _arch_dict(b))
 
 
 def arch_diff(a: FoundationConfig, b: FoundationConfig) -> list[str]:
     """``key: a != b`` for each architecture field that differs."""
     da, db = _arch_dict(a), _arch_dict(b)
-    return [f"{k}: {da[k]!r} != {db[k]!r}" for k in ARCH_FIELDS if da[k] != db[k]]
+    return [f"{k}: {da[k]!r} != {db[k]!r}" for k in ARCH_FIELDS if not same_value(da[k], db[k])]
 
 
 def to_hf_config(
@@ -244,8 +262,8 @@ def to_hf_config(
     fam = get_family(cfg.family)
     rope: dict[str, Any] = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
     if cfg.rope_scaling is not None:
-        rs = dataclasses.asdict(cfg.rope_scaling)
-        rope.update(rope_type=rs.pop("type"), **rs)
+        rs = cfg.rope_scaling
+        rope.update(rope_type=rs.type, **{k: getattr(rs, k) for k in ROPE_TYPE_FIELDS[rs.type]})
     out: dict[str, Any] = {
         "architectures": [fam.hf_architectures[0]],
         "model_type": fam.hf_model_type,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from loong_ckpt.safe_load import SafeFileSystemReader
 from loong_models import FoundationConfig
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
@@ -229,7 +230,7 @@ def write_checkpoint(
 
 def read_metadata(path: str | Path) -> dict[str, TensorStorageMetadata]:
     """Tensor entries of a megatron / DCP checkpoint: key -> global size, dtype, stored chunks."""
-    md = FileSystemReader(str(path)).read_metadata()
+    md = SafeFileSystemReader(str(path)).read_metadata()
     return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
@@ -270,5 +271,5 @@ def read_regions(path: str | Path, regions: dict[str, tuple[tuple[int, ...], tor
     """Fill each buffer with the region of its key that starts at ``offsets`` (buffer-sized)."""
     if regions:
         with _unwrapped_errors():
-            dcp.load(dict.fromkeys(regions), storage_reader=FileSystemReader(str(path)),
+            dcp.load(dict.fromkeys(regions), storage_reader=SafeFileSystemReader(str(path)),
                      planner=_RegionLoadPlanner(regions), no_dist=True)  # fmt: skip

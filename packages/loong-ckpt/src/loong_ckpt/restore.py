@@ -1,6 +1,6 @@
 """How a training run starts from what is on disk, in one place: ``train.init_from`` (model
 weights from an HF directory or a Loong checkpoint), ``resume`` (the newest complete checkpoint of
-the run, with optimizer, scheduler and RNG state) and the LoRA rule (checkpoints hold only the
+the run that passes its integrity check and belongs to this run, with optimizer, scheduler and RNG state) and the LoRA rule (checkpoints hold only the
 adapters; the frozen base always comes from ``init_from``, the base the adapters were trained on).
 Also what a run's checkpoints record so that they can be converted and resumed later."""
 
@@ -13,15 +13,29 @@ from typing import Any
 
 from loong_ckpt.components import checkpoint_meta
 from loong_ckpt.hf_io import is_hf_dir
+from loong_ckpt.integrity import IntegrityError
 from loong_ckpt.log import logger
 from loong_ckpt.online import load_hf_weights
+from loong_ckpt.run_dir import (
+    RUN_CONFIG_KEY,
+    ResumeSchedule,
+    RunDirError,
+    check_resume,
+    claim_output_dir,
+    flatten_config,
+    follow_config_schedule,
+)
+from loong_ckpt.safe_load import UnsafeCheckpointError
 from loong_ckpt.training import (
     CheckpointInfo,
     _is_main,
-    latest_checkpoint,
     load_checkpoint,
+    newest_verified_checkpoint,
     read_checkpoint_info,
 )
+
+# A checkpoint whose files changed since they were written, or that asks to run code.
+UNUSABLE_CHECKPOINT = (IntegrityError, UnsafeCheckpointError)
 
 
 class RestoreError(ValueError):
@@ -36,30 +50,80 @@ class Restored:
 
 
 def restore(ckpt_root: str | Path, chunks: list, optimizer, scheduler, *, model_cfg: Any, init_from: str | None,
-            resume: bool, rng_state_template: Any = None) -> Restored:  # fmt: skip
-    """Load what the run starts from into ``chunks`` (and optimizer / scheduler on resume); collective."""
+            resume: bool, rng_state_template: Any = None, config: Any = None, overwrite: bool = False,
+            resume_schedule: str = ResumeSchedule.refuse) -> Restored:  # fmt: skip
+    """Load what the run starts from into ``chunks`` (and optimizer / scheduler on resume); collective.
+    ``ckpt_root`` is ``<output dir>/checkpoints``: a fresh run first claims the output dir (refused
+    if it holds another run, unless ``overwrite``). On resume: the newest checkpoint that verifies,
+    checked against the run's ``config`` (:func:`loong_ckpt.run_dir.check_resume`)."""
     lora = getattr(model_cfg, "lora", None) is not None
-    resumed = latest_checkpoint(ckpt_root) if resume else None
-    if resume and resumed is None and _is_main():
-        logger.warning("resume=true but %s holds no complete checkpoint: starting from scratch", ckpt_root)
+    try:
+        claim_output_dir(Path(ckpt_root).parent, resume=resume, overwrite=overwrite)
+    except RunDirError as e:
+        raise RestoreError(str(e)) from None
+    run_config = flatten_config(config) if config is not None else None
+    resumed = _resume_point(Path(ckpt_root), run_config, resume_schedule) if resume else None
+    if resumed is not None and resume_schedule == ResumeSchedule.rescale:
+        follow_config_schedule(scheduler)
     if lora and resumed is not None:
         check_lora_base(resumed, init_from)
     if init_from and (resumed is None or lora):
         load_weights(init_from, chunks, model_cfg, part="frozen" if lora else "all")
+    if resumed is None and lora and model_cfg.lora.init_from:
+        load_adapters(model_cfg.lora.init_from, chunks, model_cfg)
     if resumed is None:
         if init_from:
             # bf16 / fp16 optimizers keep fp32 main copies made when they were built: refresh them from
             # the weights just loaded, or the first step would write the random init back (no-op in fp32).
             optimizer.reload_model_params()
         return Restored(step=0)
-    info, rng = load_checkpoint(resumed.path, chunks, optimizer, scheduler, rng_state_template=rng_state_template)
+    info, rng = load_checkpoint(resumed.path, chunks, optimizer, scheduler, rng_state_template=rng_state_template,
+                                verify=False)  # just verified  # fmt: skip
     if _is_main():
         logger.info("resumed from %s (step %d)", info.path, info.step)
     return Restored(step=info.step, rng=rng, checkpoint=info.path)
 
 
+def _resume_point(ckpt_root: Path, run_config: dict[str, Any] | None, schedule: str) -> CheckpointInfo | None:
+    """The newest checkpoint of the run that verifies, if it belongs to this run; collective."""
+    resumed = newest_verified_checkpoint(ckpt_root)
+    if resumed is None:
+        if _is_main():
+            logger.warning(
+                "resume=true but %s holds no complete checkpoint: starting from scratch", ckpt_root
+            )
+        return None
+    if run_config is not None:
+        try:
+            other = check_resume(resumed.path, resumed.meta.get(RUN_CONFIG_KEY), run_config, schedule)
+        except RunDirError as e:
+            raise RestoreError(str(e)) from None
+        if other and _is_main():
+            logger.info("resuming with changed settings: %s",
+                        "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))  # fmt: skip
+    return resumed
+
+
+def load_adapters(path: str, chunks: list, model_cfg: Any) -> None:
+    """``model.lora.init_from``: the adapters start from a PEFT adapter directory (peft_import.py)."""
+    from loong_ckpt.hf_config import ConversionError
+    from loong_ckpt.peft_import import load_peft_adapters
+
+    try:
+        load_peft_adapters(path, chunks, model_cfg)
+    except ConversionError as e:
+        raise RestoreError(str(e)) from None
+
+
 def load_weights(init_from: str, chunks: list, model_cfg: Any, *, part: str = "all") -> None:
-    """Model weights (not optimizer state) from an HF directory or a Loong checkpoint."""
+    """Model weights (not optimizer state) from an HF directory, a LeRobot / OpenPI policy
+    (``model.embodied``: a folder or file of safetensors) or a Loong checkpoint."""
+    src = Path(init_from)
+    if getattr(model_cfg, "embodied", None) is not None and (src.suffix == ".safetensors" or any(src.glob("*.safetensors"))):
+        from loong_ckpt.pi05 import load_lerobot_weights
+
+        load_lerobot_weights(init_from, chunks, model_cfg.embodied)
+        return
     if is_hf_dir(init_from):
         load_hf_weights(init_from, chunks, model_cfg)  # every component of a VLM; never LoRA adapters
         return
@@ -79,10 +143,15 @@ def check_lora_base(resumed: CheckpointInfo, init_from: str | None) -> None:
                            f"{base}; resume with train.init_from={base}")  # fmt: skip
 
 
-def run_meta(model_cfg: Any, *, init_from: str | None, tokens_per_step: int) -> dict[str, Any]:
+def run_meta(
+    model_cfg: Any, *, init_from: str | None, tokens_per_step: int, config: Any = None
+) -> dict[str, Any]:
     """What every checkpoint of the run records beside the weights: the model config (loong-convert
-    mcore-to-hf needs nothing else), the HF config it started from, and a LoRA run's base."""
+    mcore-to-hf needs nothing else), the HF config it started from, a LoRA run's base, and the run's
+    whole ``config`` (flattened; compared on resume)."""
     meta = {"tokens_per_step": tokens_per_step, **checkpoint_meta(model_cfg)}
+    if config is not None:
+        meta[RUN_CONFIG_KEY] = flatten_config(config)
     if init_from and is_hf_dir(init_from):
         meta["hf_config"] = json.loads((Path(init_from) / "config.json").read_text())
     lora = getattr(model_cfg, "lora", None)

@@ -4,10 +4,13 @@ Layout under a run's checkpoint root::
 
     step_00000100/            a complete checkpoint (megatron dist-checkpoint + loong.json)
     step_00000200.partial/    being written, or left by a crash: never loaded, removed on next save
+    step_00000300.corrupt/    failed its integrity check on resume: set aside, never loaded or deleted
     latest                    text file naming the newest complete checkpoint
 
 A checkpoint directory only gets its final name after every rank has finished writing and the
-metadata file is on disk, so a crash mid-save can never leave one that looks complete. Because
+metadata file, which holds a SHA-256 of every other file (integrity.py), is on disk, so a crash
+mid-save can never leave one that looks complete, and bytes changed later are found before they
+are loaded. Loading runs no code from the files (safe_load.py). Because
 megatron checkpoints are sharded by parameter, not by rank, a checkpoint saved with one TP / PP / DP
 layout loads into another.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -25,12 +29,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loong_ckpt.integrity import IntegrityError, check_files, hash_files, listed_files
 from loong_ckpt.log import logger
+from loong_ckpt.safe_load import SafeFileSystemReader, vet_checkpoint
 
 META_FILE = "loong.json"
 LATEST_FILE = "latest"
 PARTIAL_SUFFIX = ".partial"
-FORMAT_VERSION = 1
+CORRUPT_SUFFIX = ".corrupt"
+FORMAT_VERSION = 2  # 2: loong.json lists every file's SHA-256 ("files")
+_READABLE_VERSIONS = (1, 2)  # 1: no hashes; loaded with a warning
+_COMPLETE = re.compile(r"step_\d{8}")
 # The distributed optimizer's state is saved per parameter, like the model ("fully_reshardable"),
 # so a run can resume under another TP / PP / DP layout; megatron's default format for it
 # ("fully_sharded_model_space") is deprecated and rejected by its own checkpoint validation.
@@ -66,6 +75,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _gather(local: Any) -> list[Any]:
+    """Every rank's ``local`` (a picklable value), on every rank."""
+    if not dist.is_initialized():
+        return [local]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return out
+
+
 def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
     """Metadata of a complete checkpoint directory; a clear error for anything else."""
     path = Path(path)
@@ -74,16 +96,26 @@ def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
         raise ValueError(f"{path} is an incomplete checkpoint (interrupted save); it cannot be loaded")
     if not meta_path.is_file():
         raise FileNotFoundError(f"{path} is not a complete Loong checkpoint: {META_FILE} is missing")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
+    try:
+        meta = json.loads(meta_path.read_text())
+        step = int(meta["step"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_path}: not readable checkpoint metadata ({type(e).__name__}: {e})") from None
+    if meta.get("format_version") not in _READABLE_VERSIONS:
         raise ValueError(
             f"{meta_path}: format_version={meta.get('format_version')}, expected {FORMAT_VERSION}"
         )
-    return CheckpointInfo(path, int(meta["step"]), meta)
+    return CheckpointInfo(path, step, meta)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint directories by name (not .partial / .corrupt), oldest first."""
+    return sorted(d for d in root.glob("step_*") if _COMPLETE.fullmatch(d.name) and d.is_dir())
 
 
 def latest_checkpoint(root: str | Path) -> CheckpointInfo | None:
-    """The newest complete checkpoint under ``root``, or None when there is none."""
+    """The newest complete checkpoint under ``root``, or None when there is none (no integrity
+    check: :func:`newest_verified_checkpoint` for resuming)."""
     root = Path(root)
     latest = root / LATEST_FILE
     if latest.is_file():
@@ -92,11 +124,63 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo | None:
             return read_checkpoint_info(candidate)
         except (FileNotFoundError, ValueError) as e:
             logger.warning("%s points at an unusable checkpoint (%s); scanning %s", latest, e, root)
-    complete = []
-    for d in root.glob("step_*"):
-        if d.is_dir() and not d.name.endswith(PARTIAL_SUFFIX) and (d / META_FILE).is_file():
-            complete.append(read_checkpoint_info(d))
-    return max(complete, key=lambda c: c.step, default=None)
+    for d in reversed(complete_checkpoints(root)):
+        if (d / META_FILE).is_file():
+            try:
+                return read_checkpoint_info(d)
+            except ValueError as e:
+                logger.warning("skipping %s: %s", d, e)
+    return None
+
+
+def verify_checkpoint(info: CheckpointInfo) -> None:
+    """Collective: the ranks split the checkpoint's files and compare each with the SHA-256 that
+    ``loong.json`` records; :class:`IntegrityError` names every file that differs."""
+    files = info.meta.get("files")
+    if files is None:
+        if _is_main():
+            logger.warning("%s has no file hashes (format_version %s): loading it unverified",
+                           info.path, info.meta.get("format_version"))  # fmt: skip
+        return
+    rank, world = _rank_world()
+    problems = [p for local in _gather(check_files(info.path, files, rank=rank, world=world)) for p in local]
+    if problems:
+        raise IntegrityError(f"{info.path} failed its integrity check: {'; '.join(problems)}")
+
+
+def newest_verified_checkpoint(root: str | Path) -> CheckpointInfo | None:
+    """Collective: the newest complete checkpoint under ``root`` whose files match their hashes.
+    Newer ones that fail are renamed ``<name>.corrupt`` (never loaded, never deleted by retention)
+    and the fallback is logged. None when ``root`` holds no complete checkpoint; an
+    :class:`IntegrityError` when it holds some but none verifies."""
+    root = Path(root)
+    failed = []
+    for d in reversed(complete_checkpoints(root)):
+        if not (d / META_FILE).is_file():
+            continue  # not a checkpoint (never one of ours: a save names its directory last)
+        try:
+            info = read_checkpoint_info(d)
+            verify_checkpoint(info)
+        except ValueError as e:  # IntegrityError is a ValueError
+            failed.append(f"{d.name}: {e}")
+            _set_aside(d, e)
+            continue
+        if failed and _is_main():
+            logger.warning("resuming from %s, the newest checkpoint that verifies", info.path)
+        return info
+    if failed:
+        raise IntegrityError(f"no checkpoint under {root} verifies: {' | '.join(failed)}")
+    return None
+
+
+def _set_aside(path: Path, reason: Exception) -> None:
+    _barrier()  # every rank has finished reading it
+    if _is_main():
+        target = path.with_name(path.name + CORRUPT_SUFFIX)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(path, target)
+        logger.warning("checkpoint %s is unusable (%s); moved it to %s", path, reason, target)
+    _barrier()
 
 
 def _layout() -> dict[str, int]:
@@ -130,10 +214,41 @@ def _rng_object(state: Any):
 def _fork_writer_queue() -> None:
     """megatron's checkpoint writers report through a multiprocessing Manager queue that it
     creates once per process with the 'spawn' method, which re-imports torch in a fresh
-    interpreter (5-15 s on a small host). A forked manager is ready in milliseconds."""
+    interpreter (5-15 s on a small host). A forked manager is ready in milliseconds. The manager
+    is a process of its own: it is told to die with this one, or a trainer killed with SIGKILL
+    would leave it running (with its copy of the trainer's memory) forever."""
+    from multiprocessing import util
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async.get_write_results_queue(mp_mode="fork")
+    hook = _DieWithParent(os.getpid())
+    util.register_after_fork(hook, _DieWithParent.arm)  # runs in children that multiprocessing starts
+    try:
+        filesystem_async.get_write_results_queue(mp_mode="fork")
+    finally:
+        del hook  # the registry holds it weakly: later children are not touched
+
+
+class _DieWithParent:
+    """In a child process: have the kernel send SIGKILL when the parent exits (Linux prctl
+    PR_SET_PDEATHSIG; elsewhere nothing). The signal follows the parent *thread* that forked the
+    child, so children must be started from the thread that lives as long as the process."""
+
+    _PR_SET_PDEATHSIG = 1
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+
+    def arm(self) -> None:
+        import ctypes
+        import signal
+        import sys
+
+        if not sys.platform.startswith("linux"):
+            return
+        ctypes.CDLL(None, use_errno=True).prctl(self._PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != self.parent:  # the parent died before the signal was armed
+            os._exit(1)
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -205,22 +320,39 @@ def save_checkpoint(
     _fork_writer_queue()
     dist_checkpointing.save(state, str(partial))
     _barrier()
+    files = _hash_written(partial)
     if _is_main():
         meta = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout(), "time": time.time(),
                 "params": part}  # fmt: skip
         meta.update(extra or {})
+        meta["files"] = files
         _write_atomic(partial / META_FILE, json.dumps(meta, indent=2))
         if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
             shutil.rmtree(final)
         os.replace(partial, final)
         _write_atomic(root / LATEST_FILE, final.name)
         if keep_last:
-            done = sorted(d for d in root.glob("step_*") if not d.name.endswith(PARTIAL_SUFFIX))
-            for old in done[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            retain(root, keep_last, verified=final)
         logger.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
     _barrier()
     return final
+
+
+def _hash_written(path: Path) -> dict[str, dict]:
+    """Collective: the SHA-256 of every file just written under ``path``, the ranks splitting the
+    files (read back from disk: the hashes describe what is stored, not what was meant)."""
+    rank, world = _rank_world()
+    names = _gather(listed_files(path, META_FILE) if rank == 0 else None)[0]
+    return {k: v for part in _gather(hash_files(path, names, rank=rank, world=world)) for k, v in part.items()}
+
+
+def retain(root: Path, keep_last: int, *, verified: Path) -> list[Path]:
+    """Delete complete checkpoints older than the newest ``keep_last``, except ``verified`` (the
+    newest one known to match its hashes), which is never deleted. Returns what was deleted."""
+    gone = [d for d in complete_checkpoints(root)[:-keep_last] if d.resolve() != verified.resolve()]
+    for old in gone:
+        shutil.rmtree(old, ignore_errors=True)
+    return gone
 
 
 _EXTRA_STATE = "_extra_state"
@@ -265,10 +397,9 @@ def _drop_absent_extra_state(template: dict[str, Any], path: Path) -> bool:
     runs use the local spec, GPU runs TE), so extra states the checkpoint lacks are left out of
     the load and start fresh. Returns whether any was left out."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from torch.distributed.checkpoint import FileSystemReader
 
     # torch.distributed.checkpoint stores a sharded object as "<key>/shard_<offset>_<count>"
-    present = {k.split("/")[0] for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    present = {k.split("/")[0] for k in SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata}
     dropped = False
 
     def visit(node: dict) -> None:
@@ -296,13 +427,19 @@ def load_checkpoint(
     *,
     rng_state_template: Any = None,
     part: str | None = None,
+    verify: bool = True,
 ) -> tuple[CheckpointInfo, Any]:
     """Load into ``chunks`` (and optimizer / scheduler when given). Returns the checkpoint info
     and this rank's saved RNG state (None when not saved or the layout changed). ``part``: which
-    model tensors to read (``all``, ``trainable``, ``frozen``); default: what the checkpoint holds."""
+    model tensors to read (``all``, ``trainable``, ``frozen``); default: what the checkpoint holds.
+    Collective. The files are checked against their hashes first (``verify=False``: the caller
+    just did, e.g. :func:`newest_verified_checkpoint`), and nothing in them is run as code."""
     from megatron.core import dist_checkpointing
 
     info = read_checkpoint_info(path)
+    if verify:
+        verify_checkpoint(info)
+    vet_checkpoint(info.path)  # before megatron unpickles anything from it
     saved = info.meta.get("params", "all")
     part = part or saved
     if saved == "trainable" and part != "trainable":

@@ -20,7 +20,7 @@ import torch
 
 from loong_ckpt.composed import ComponentMapping, ModelMapping
 from loong_ckpt.families import get_mapping
-from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture, to_hf_config
+from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture, same_value, to_hf_config
 from loong_ckpt.mapping import GATE_UP, QKV, Rule, SliceReader, Split, Transform
 
 # --- the vision tower's transforms ------------------------------------------------------------
@@ -270,9 +270,9 @@ def qwen25_vl_same(a: Any, b: Any) -> bool:
     return (
         same_architecture(a.foundation, b.foundation)
         and a.foundation.mrope_section == b.foundation.mrope_section
-        and fields(a.image_encoder, _ENCODER_ARCH) == fields(b.image_encoder, _ENCODER_ARCH)
-        and fields(a.image_projector, _PROJECTOR_ARCH) == fields(b.image_projector, _PROJECTOR_ARCH)
-        and all(getattr(a, k, None) == getattr(b, k, None) for k in (*_TOKEN_IDS, "tokens_per_second"))
+        and same_value(fields(a.image_encoder, _ENCODER_ARCH), fields(b.image_encoder, _ENCODER_ARCH))
+        and same_value(fields(a.image_projector, _PROJECTOR_ARCH), fields(b.image_projector, _PROJECTOR_ARCH))
+        and all(same_value(getattr(a, k, None), getattr(b, k, None)) for k in (*_TOKEN_IDS, "tokens_per_second"))
     )
 
 

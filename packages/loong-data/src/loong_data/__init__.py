@@ -28,9 +28,10 @@ from loong_data.bundled import (
 )
 from loong_data.collate import collate
 from loong_data.documents import DocumentDataset
+from loong_data.errors import DataError
 from loong_data.lengths import LogNormalLengths
 from loong_data.packed import PackedTextDataset
-from loong_data.packed_collate import collate_packed
+from loong_data.packed_collate import collate_packed, padded_length
 from loong_data.packing import (
     STRATEGIES,
     FirstFitDecreasing,
@@ -49,6 +50,7 @@ __all__ = [
     "EOD_TOKEN",
     "PAD_TOKEN",
     "STRATEGIES",
+    "DataError",
     "DistributedBatchSampler",
     "DocumentDataset",
     "FirstFitDecreasing",
@@ -61,6 +63,7 @@ __all__ = [
     "TokenizedCorpus",
     "collate",
     "collate_packed",
+    "padded_length",
     "default_chat_tokenizer",
     "default_corpus",
     "default_multimodal_dataset",

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from loong_data.errors import DataError
 from loong_data.multimodal.chat import ChatTokenizer, ConversationError
 
 
-class ChatDataError(ValueError):
+class ChatDataError(DataError):
     """A chat file or record that cannot be used; the message names the file and line."""
 
 

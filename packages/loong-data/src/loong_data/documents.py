@@ -6,8 +6,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from loong_data.errors import DataError
 from loong_data.lengths import LogNormalLengths
-from loong_data.token_file import TokenFile
+from loong_data.token_file import TokenFile, too_short
 
 
 def _chunk_starts(num_inputs: int, max_length: int, lengths: LogNormalLengths | None,
@@ -54,7 +55,7 @@ class DocumentDataset(Dataset[dict[str, torch.Tensor]]):
             starts.append(doc_start + rel)
             ends.append(doc_start + np.append(rel[1:], num_inputs))
         if not starts:
-            raise ValueError(f"{self.token_file.bin_path} has no document with at least two tokens")
+            raise DataError(too_short(self.token_file, "a sample needs a document of at least two tokens"))
         self.starts = np.concatenate(starts)
         self.lengths = np.concatenate(ends) - self.starts
 

@@ -6,7 +6,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from loong_data.token_file import TokenFile
+from loong_data.errors import DataError
+from loong_data.token_file import TokenFile, too_short
 
 
 class PackedTextDataset(Dataset[dict[str, torch.Tensor]]):
@@ -27,8 +28,7 @@ class PackedTextDataset(Dataset[dict[str, torch.Tensor]]):
         # The +1 is the label of the last position.
         self._num_samples = (self.token_file.num_tokens - 1) // seq_length
         if self._num_samples < 1:
-            raise ValueError(f"{self.token_file.bin_path} has {self.token_file.num_tokens} tokens, fewer than one "
-                             f"sample of seq_length {seq_length} needs ({seq_length + 1})")
+            raise DataError(too_short(self.token_file, f"one sample of seq_length {seq_length} needs {seq_length + 1}"))
         self._position_ids = torch.arange(seq_length, dtype=torch.long)
         self._loss_mask = torch.ones(seq_length, dtype=torch.float32)
 

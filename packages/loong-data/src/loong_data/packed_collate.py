@@ -7,8 +7,23 @@ import torch
 PACKED_KEYS = ("tokens", "labels", "loss_mask")
 
 
+def padded_length(length: int, segment_multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``segment_multiple`` (what a sample occupies in a pack)."""
+    return -(-length // segment_multiple) * segment_multiple
+
+
+def _pad_sample(sample: Mapping[str, torch.Tensor], to: int, pad_id: int) -> dict[str, torch.Tensor]:
+    extra = to - int(sample["tokens"].shape[0])
+    if not extra:
+        return dict(sample)
+    fill = {"tokens": torch.full((extra,), pad_id, dtype=torch.long),
+            "labels": torch.full((extra,), pad_id, dtype=torch.long),
+            "loss_mask": torch.zeros(extra, dtype=torch.float32)}  # fmt: skip
+    return {key: torch.cat([sample[key], fill[key]]) for key in PACKED_KEYS}
+
+
 def collate_packed(samples: Sequence[Mapping[str, torch.Tensor]], *, capacity: int | None = None,
-                   pad_id: int = 0) -> dict[str, torch.Tensor | int]:
+                   pad_id: int = 0, segment_multiple: int = 1) -> dict[str, torch.Tensor | int]:
     """One packed sequence of the samples, in order, shaped ``[1, t]`` (batch size one, as
     megatron's THD format expects).
 
@@ -18,6 +33,11 @@ def collate_packed(samples: Sequence[Mapping[str, torch.Tensor]], *, capacity: i
     tokens up to ``t = capacity`` as one more segment with zero loss mask: the pack has a static
     shape (pipeline stages exchange fixed-size tensors; sequence parallelism needs ``t`` divisible
     by the TP size), and the padding attends only to itself, so it changes no real token.
+
+    ``segment_multiple``: every sample is padded at its end (``pad_id``, zero loss mask) to a
+    multiple of it, and ``capacity`` must be one too. Context parallelism cuts every segment into
+    ``2 * cp`` chunks, so it needs ``segment_multiple = 2 * cp``; the padding comes after the
+    sample's tokens, so causal attention leaves them unchanged.
     """
     if not samples:
         raise ValueError("collate_packed needs at least one sample")
@@ -26,6 +46,11 @@ def collate_packed(samples: Sequence[Mapping[str, torch.Tensor]], *, capacity: i
         for key in PACKED_KEYS:
             if key not in s or s[key].shape != (lengths[i],):
                 raise ValueError(f"sample {i}: {key!r} must be a 1-D tensor of the sample's length {lengths[i]}")
+    if capacity is not None and capacity % segment_multiple:
+        raise ValueError(f"pack capacity {capacity} must be a multiple of segment_multiple={segment_multiple}")
+    if segment_multiple > 1:
+        samples = [_pad_sample(s, padded_length(n, segment_multiple), pad_id) for s, n in zip(samples, lengths)]
+        lengths = [padded_length(n, segment_multiple) for n in lengths]
     total = sum(lengths)
     out = {key: torch.cat([s[key] for s in samples]) for key in PACKED_KEYS}
     out["position_ids"] = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from loong_data.errors import DataError
 from loong_data.log import logger
 from loong_data.sources import Sources, count_documents, iter_documents, resolve_sources
 from loong_data.token_file import VERSION, TokenFile, TokenWriter, dtype_for_vocab, split_paths
@@ -104,16 +105,17 @@ def prepare_text_dataset(
 
     num_docs = count_documents(files)
     if num_docs == 0:
-        raise ValueError(f"no documents in {[str(f) for f in files]}")
+        raise DataError(f"no documents in {', '.join(map(str, files))}")
     to_val = val_documents(num_docs, val_fraction, seed)
     dtype = dtype_for_vocab(tok.vocab_size)
-    meta = {"fingerprint": fp, "tokenizer": str(tok.path), "vocab_size": tok.vocab_size, "eod_id": tok.eod_id}
+    meta = {"fingerprint": fp, "tokenizer": str(tok.path), "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
+            "sources": [str(f) for f in files]}  # for error messages: the user's files, not the cache
     logger.info("tokenising %d documents from %d files into %s", num_docs, len(files), out_dir)
     with TokenWriter(out_dir / "train", dtype) as train, TokenWriter(out_dir / "val", dtype) as val:
         docs = tqdm(iter_documents(files), total=num_docs, unit="doc", desc="tokenize", disable=not progress)
         for i, doc in enumerate(docs):
             if not isinstance(doc.text, str):
-                raise ValueError(f"{doc.where}: document text must be a string, got {type(doc.text).__name__}")
+                raise DataError(f"{doc.where}: document text must be a string, got {type(doc.text).__name__}")
             ids = tok.encode(doc.text) + [tok.eod_id]
             if num_docs == 1 and val_fraction > 0 and len(ids) >= 2:
                 num_val = min(len(ids) - 1, max(1, round(len(ids) * val_fraction)))

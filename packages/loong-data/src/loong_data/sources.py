@@ -9,6 +9,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loong_data.errors import DataError
+
 SUFFIXES = (".txt", ".jsonl")
 
 Sources = str | Path | Sequence[str | Path]
@@ -35,41 +37,48 @@ def resolve_sources(sources: Sources) -> list[Path]:
             files.extend(found)
         elif item.is_file():
             if item.suffix not in SUFFIXES:
-                raise ValueError(f"unsupported source {item}: expected a .txt or .jsonl file")
+                raise DataError(f"unsupported source {item}: expected a .txt or .jsonl file")
             files.append(item)
         else:
             raise FileNotFoundError(f"source not found: {item} (expected a folder, or a .txt / .jsonl file)")
     return files
 
 
+def _text(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                        "data sources must be .txt / .jsonl text files") from None
+
+
+def _jsonl_lines(file: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of the non-blank lines; a line that is not UTF-8 fails naming it."""
+    with file.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _text(raw, f"{file}:{lineno}")
+            if line.strip():
+                yield lineno, line
+
+
 def count_documents(files: list[Path]) -> int:
     """Number of documents without parsing JSON: one per .txt file, one per non-blank .jsonl line."""
-    n = 0
-    for file in files:
-        if file.suffix == ".jsonl":
-            # Same decoding and blank-line rule as iter_documents, so the counts agree.
-            with file.open(encoding="utf-8") as f:
-                n += sum(1 for line in f if line.strip())
-        else:
-            n += 1
-    return n
+    return sum(sum(1 for _ in _jsonl_lines(f)) if f.suffix == ".jsonl" else 1 for f in files)
 
 
 def iter_documents(files: list[Path]) -> Iterator[Document]:
-    """Documents in order. Raises ValueError naming the file and line of a malformed JSONL record."""
+    """Documents in order. Raises DataError naming the file (and line) of a file that is not UTF-8
+    text or of a malformed JSONL record."""
     for file in files:
         if file.suffix != ".jsonl":
-            yield Document(str(file), file.read_text(encoding="utf-8"))
+            yield Document(str(file), _text(file.read_bytes(), str(file)))
             continue
-        with file.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{file}:{lineno}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from e
-                if not isinstance(record, dict) or "text" not in record:
-                    raise ValueError(f'{where}: expected a JSON object with a "text" field')
-                yield Document(where, record["text"])
+        for lineno, line in _jsonl_lines(file):
+            where = f"{file}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or "text" not in record:
+                raise DataError(f'{where}: expected a JSON object with a "text" field')
+            yield Document(where, record["text"])

@@ -135,6 +135,15 @@ def read_index(idx_path: Path) -> dict[str, Any]:
     return meta
 
 
+def too_short(token_file: "TokenFile", need: str) -> str:
+    """The message for a split too small to sample from, naming the user's sources (from the index)
+    rather than the cache file when the index records them."""
+    split = token_file.meta.get("split", "")
+    sources = ", ".join(token_file.meta.get("sources") or [str(token_file.bin_path)])
+    return (f"{sources}: the {split} split has {token_file.num_tokens} tokens, too few: {need} "
+            "(give more text, a shorter sequence length or another val_fraction)")
+
+
 class TokenFile:
     """Read-only, memory-mapped view of one tokenised split (``<prefix>.bin`` + ``<prefix>.idx.json``).
 

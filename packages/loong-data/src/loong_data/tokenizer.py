@@ -1,5 +1,6 @@
 """A thin text tokenizer over HF ``tokenizers``: encode/decode plus the ids training needs."""
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -8,6 +9,7 @@ from tokenizers import Tokenizer
 from loong_data.log import logger
 
 EOD_TOKEN = "<|endoftext|>"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 PAD_TOKEN = "<|pad|>"
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -39,14 +41,22 @@ class TextTokenizer:
         return f"TextTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size}, eod_id={self.eod_id})"
 
 
-def load_tokenizer(
-    path: str | Path, *, eod_token: str = EOD_TOKEN, pad_token: str = PAD_TOKEN
-) -> TextTokenizer:
+def _configured_pad(folder: Path) -> str | None:
+    """The pad token an HF tokenizer folder declares (``tokenizer_config.json``), if any."""
+    try:
+        pad = json.loads((folder / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8")).get("pad_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return pad.get("content") if isinstance(pad, dict) else pad if isinstance(pad, str) else None
+
+
+def load_tokenizer(path: str | Path, *, eod_token: str = EOD_TOKEN, pad_token: str | None = None) -> TextTokenizer:
     """Load a ``tokenizer.json``, or a folder holding one (an HF model folder).
 
-    ``eod_token`` must be in the vocabulary. ``pad_token`` may be missing (HF model tokenizers
-    often have none); the EOD id is used for padding then, which is harmless because padded
-    positions are masked out of the loss.
+    ``eod_token`` must be in the vocabulary. ``pad_token`` (default: the one the folder's
+    ``tokenizer_config.json`` declares, else ``<|pad|>``) may be missing (HF model tokenizers often
+    have none); the EOD id is used for padding then, which is harmless because padded positions
+    are masked out of the loss.
     """
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
@@ -63,6 +73,7 @@ def load_tokenizer(
             f"tokenizer {file} has no end-of-document token {eod_token!r}; "
             "pass eod_token= with the token this tokenizer uses to end a document"
         )
+    pad_token = pad_token or _configured_pad(file.parent) or PAD_TOKEN
     pad_id = tokenizer.token_to_id(pad_token)
     if pad_id is None:
         logger.debug("tokenizer %s has no %r; padding with the EOD id %d", file, pad_token, eod_id)

@@ -34,12 +34,23 @@ class OffloadModule(StrEnum):
     moe_act = "moe_act"
 
 
+class CPCommType(StrEnum):
+    """How context-parallel ranks exchange attention inputs (megatron's cp_comm_type)."""
+
+    p2p = "p2p"  # ring: key/value blocks travel around the CP ranks
+    a2a = "a2a"  # all-to-all: each rank attends the whole sequence for heads / cp heads
+
+
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor parallel size
     pp: int = 1  # pipeline parallel size
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved 1F1B); None = off
     sequence_parallel: bool = False  # shard activations along the sequence inside TP regions
+    # Context parallelism: every sequence is split over cp ranks (load-balanced: 2 x cp chunks,
+    # rank r holds chunks r and 2cp-1-r); attention runs over the CP group by cp_comm_type.
+    cp: int = 1
+    cp_comm_type: CPCommType = CPCommType.p2p
     distributed_optimizer: bool = False  # shard optimizer state across DP ranks (ZeRO-1)
     overlap_grad_reduce: bool = False  # overlap DP gradient reduction with backward
     overlap_param_gather: bool = False  # overlap the distributed optimizer's param all-gather
@@ -73,11 +84,11 @@ class ParallelConfig:
         return self.etp if self.etp is not None else self.tp
 
     def data_parallel_size(self, world_size: int) -> int:
-        model_parallel = self.tp * self.pp
+        model_parallel = self.tp * self.pp * self.cp
         if world_size % model_parallel:
             raise ValueError(
-                f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
-                f"{self.tp} * {self.pp}; allowed: tp * pp dividing {world_size}"
+                f"world size {world_size} is not divisible by parallel.tp * parallel.pp * parallel.cp = "
+                f"{self.tp} * {self.pp} * {self.cp}; allowed: tp * pp * cp dividing {world_size}"
             )
         return world_size // model_parallel
 
@@ -96,7 +107,7 @@ class ParallelConfig:
         arguments describe the model's experts (None: a dense model)."""
         for error in self.balance.errors():
             raise ValueError(error)
-        for key in ("tp", "pp", "ep"):
+        for key in ("tp", "pp", "ep", "cp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)} must be >= 1")
         self._validate_moe(world_size, num_experts, expert_ffn_hidden_size, has_shared_experts)
@@ -119,6 +130,9 @@ class ParallelConfig:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1")
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
+        if self.cp_comm_type not in tuple(CPCommType):  # OmegaConf checks it; direct construction does not
+            allowed = ", ".join(CPCommType)
+            raise ValueError(f"parallel.cp_comm_type={str(self.cp_comm_type)!r}; allowed: {allowed}")
         self.data_parallel_size(world_size)
 
     def _validate_moe(

@@ -41,13 +41,14 @@ def init_distributed(accel: Accelerator, timeout_s: float = 600) -> DistEnv:
     )
     accel.set_device(env.local_rank)
     if not dist.is_initialized():
+        accel.prepare_distributed()  # registers a vendor collective backend (e.g. bkcl) by its name
         dist.init_process_group(backend=accel.dist_backend, timeout=datetime.timedelta(seconds=timeout_s))
     logger.info("rank %d/%d on %s", env.rank, env.world_size, accel.describe())
     return env
 
 
 def initialize_model_parallel(pcfg: ParallelConfig, world_size: int) -> None:
-    """Create megatron's TP / PP / DP groups (and the expert EP / ETP / expert-DP groups) for ``pcfg``."""
+    """Create megatron's TP / PP / CP / DP groups (and the expert EP / ETP / expert-DP groups) for ``pcfg``."""
     from megatron.core import parallel_state as mpu
 
     pcfg.data_parallel_size(world_size)
@@ -57,6 +58,7 @@ def initialize_model_parallel(pcfg: ParallelConfig, world_size: int) -> None:
         tensor_model_parallel_size=pcfg.tp,
         pipeline_model_parallel_size=pcfg.pp,
         virtual_pipeline_model_parallel_size=pcfg.vpp,
+        context_parallel_size=pcfg.cp,
         expert_model_parallel_size=pcfg.ep,
         expert_tensor_parallel_size=pcfg.expert_tp,
     )

@@ -7,18 +7,23 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from megatron.core import parallel_state as mpu
 
 from loong_models.omni import MEDIA_KEYS
 from loong_models.packed_seq import packed_seq_params
+from loong_parallel.context_parallel import split_for_context_parallel
 from loong_parallel.step import LOSS_KEY
 
 
 def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_plan: bool = False):
-    """Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document. Multimodal
+    """With context parallelism each rank takes its load-balanced share of the micro-batch.
+    Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document. Multimodal
     batches also carry images / videos (``MEDIA_KEYS``), which go to the model as keywords.
     ``return_schedule_plan``: megatron's combined 1F1B schedule (MoE all-to-all overlap) asks for
     the model's schedule plan of this micro-batch instead of running its forward."""
-    batch = next(data_iterator)
+    batch = split_for_context_parallel(
+        next(data_iterator), mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+    )
     tokens = batch["tokens"].to(device, non_blocking=True)
     packed = None
     if "cu_seqlens" in batch:

@@ -25,12 +25,15 @@ def build_model_chunks(
 ) -> list[DistributedDataParallel]:
     """One chunk per virtual pipeline stage (one in all without interleaving), on the device,
     wrapped in DDP. Also installs the gradient hooks megatron's schedules call into ``config``."""
-    chunks = []
-    for vp in range(pcfg.vpp or 1):
-        vp_stage = vp if pcfg.vpp else None
-        pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-        post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        chunks.append(provider(pre, post, vp_stage).to(accel.device()))
+    if _stages_in_order(pcfg, config):
+        chunks = [_build_as_one_process(provider, pcfg.pp, config).to(accel.device())]
+    else:
+        chunks = []
+        for vp in range(pcfg.vpp or 1):
+            vp_stage = vp if pcfg.vpp else None
+            pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+            chunks.append(provider(pre, post, vp_stage).to(accel.device()))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=pcfg.grad_reduce_in_fp32,
         overlap_grad_reduce=pcfg.overlap_grad_reduce,
@@ -54,6 +57,39 @@ def build_model_chunks(
         param_sync = [c.start_param_sync for c in wrapped]
         config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
     return wrapped
+
+
+def _stages_in_order(pcfg: ParallelConfig, config: TransformerConfig) -> bool:
+    """Host initialisation draws every weight from the one host RNG stream (the same on every
+    rank), so a pipeline stage gets one process's weights only if the stages before it drew
+    theirs first. Not with virtual stages (interleaved layers), nor for device initialisation
+    (megatron's model-parallel RNG streams)."""
+    return pcfg.pp > 1 and not pcfg.vpp and config.use_cpu_initialization
+
+
+def _build_as_one_process(provider: ModelProvider, pp: int, config: TransformerConfig) -> torch.nn.Module:
+    """This rank's stage, built after the stages before it are built and dropped, so that the host
+    RNG stream runs as in one process: embedding, layer 1..L, output layer. Stages hold
+    equal layer counts of one shape, so another stage's draws are this rank's layers' (built with
+    its own layer offset) plus the embedding / output layer where ``pre`` / ``post`` say so.
+    Costs transient host copies of the model; only used with host initialisation.
+
+    With tied embeddings megatron all-reduces the shared weight between the first and the last
+    stage while building them (the last stage's copy starts at zero): only the rank's own stage
+    may take part, so the others are built with ``init_model_with_meta_device`` set, the flag
+    that skips that reduction (it changes nothing else on the host path)."""
+    rank, own = mpu.get_pipeline_model_parallel_rank(), None
+    skip_sync = config.init_model_with_meta_device
+    for stage in range(rank + 1):
+        config.init_model_with_meta_device = skip_sync or stage != rank
+        try:
+            module = provider(stage == 0, stage == pp - 1, None)
+        finally:
+            config.init_model_with_meta_device = skip_sync
+        if stage == rank:
+            own = module
+        del module
+    return own
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

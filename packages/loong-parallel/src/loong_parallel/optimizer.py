@@ -20,7 +20,6 @@ class LRSchedule(StrEnum):
     constant = "constant"
 
 
-
 @dataclass
 class OptimConfig:
     lr: float = 3e-4
@@ -40,6 +39,20 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
 
 
+def schedule_steps(lr: float, warmup_steps: int, total_steps: int) -> dict:
+    """megatron's scheduler arguments such that step ``s`` (1-based) runs at the rate of the
+    schedule at ``s``: warm-up ``lr * s / W`` for ``s <= W`` (never 0), then the decay reaching
+    ``min_lr`` at ``total_steps``. megatron sets the rate for step ``s`` from ``s - 1`` completed
+    steps (its step 1 of a warm-up runs at ``init_lr`` = 0); shifting its warm-up and decay by one
+    step gives exactly the schedule at ``s`` while its counter keeps counting completed steps, so
+    checkpoints resume as they are."""
+    warmup = min(warmup_steps, max(total_steps - 1, 0))
+    if warmup == 0:  # no warm-up: full rate at step 1, decay over the remaining steps
+        return dict(init_lr=lr, max_lr=lr, lr_warmup_steps=0, lr_decay_steps=max(total_steps - 1, 1))
+    return dict(init_lr=lr / warmup, max_lr=lr, lr_warmup_steps=warmup - 1,
+                lr_decay_steps=max(total_steps, warmup + 1) - 1)  # fmt: skip
+
+
 def build_optimizer(
     ocfg: OptimConfig,
     pcfg: ParallelConfig,
@@ -49,7 +62,7 @@ def build_optimizer(
     total_steps: int,
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """AdamW with fp32 master weights for bf16/fp16 training; warmup then ``ocfg.schedule`` decay
-    to ``min_lr`` at ``total_steps``."""
+    to ``min_lr`` at ``total_steps`` (:func:`schedule_steps`)."""
     ocfg.validate()
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -69,14 +82,10 @@ def build_optimizer(
         ),
         chunks,
     )
-    warmup = min(ocfg.warmup_steps, max(total_steps - 1, 0))
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if warmup else ocfg.lr,
-        max_lr=ocfg.lr,
+        **schedule_steps(ocfg.lr, ocfg.warmup_steps, total_steps),
         min_lr=ocfg.min_lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=max(total_steps, warmup + 1),
         lr_decay_style=str(ocfg.schedule),  # a plain str: it is saved in checkpoints
         start_wd=ocfg.weight_decay,
         end_wd=ocfg.weight_decay,
@@ -84,3 +93,4 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+

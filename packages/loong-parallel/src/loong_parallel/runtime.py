@@ -32,6 +32,8 @@ def runtime_transformer_fields(
         offload_modules=[str(m) for m in pcfg.offload_activations],
         tensor_model_parallel_size=pcfg.tp,
         pipeline_model_parallel_size=pcfg.pp,
+        context_parallel_size=pcfg.cp,
+        cp_comm_type=str(pcfg.cp_comm_type) if pcfg.cp > 1 else None,
         virtual_pipeline_model_parallel_size=pcfg.vpp,
         sequence_parallel=pcfg.sequence_parallel,
         params_dtype=dtype,

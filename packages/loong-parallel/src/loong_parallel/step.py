@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,10 +26,11 @@ class StepResult:
     num_tokens: int  # loss tokens in the global batch
     grad_norm: float | None
     lr: float
-    skipped: bool  # the optimizer skipped the update (inf/nan gradients)
+    skipped: bool  # no update this step: non-finite loss / gradients, or an fp16 loss-scale overflow
     # Seconds from the start of the step until gradient finalisation began on this rank: its own
     # forward/backward work, without waiting for other data-parallel ranks (None: not measured).
     compute_s: float | None = None
+    nonfinite: bool = False  # skipped because the loss or a gradient was NaN / Inf
 
 
 @contextmanager
@@ -95,13 +97,31 @@ def train_step(
             forward_only=False,
             **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
         )
-    ok, grad_norm, _ = optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler then sets the next one)
+    loss, count = _global_loss(outputs, device)
+    nonfinite = not math.isfinite(loss) or not _grads_finite(chunks, device)
+    ok, grad_norm = False, None
+    if not nonfinite:  # never let NaN / Inf into the weights or the optimizer's moments
+        ok, grad_norm, _ = optimizer.step()
+        nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
     if ok:
         scheduler.step(increment=1)
-    loss, count = _global_loss(outputs, device)
-    lr = optimizer.param_groups[0]["lr"]
     return StepResult(loss, count, float(grad_norm) if grad_norm is not None else None, lr, not ok,
-                      timing.get("compute_s"))
+                      timing.get("compute_s"), nonfinite)
+
+
+def _grads_finite(chunks: list[torch.nn.Module], device: torch.device) -> bool:
+    """Whether every gradient of every rank is finite (collective). With fp16 loss scaling an
+    overflow is routine: megatron's optimizer finds it, lowers the scale and skips the step."""
+    if get_model_config(chunks[0]).fp16:
+        return True
+    grads = [p.main_grad if hasattr(p, "main_grad") else p.grad for c in chunks for p in c.parameters()]
+    grads = [g for g in grads if g is not None]
+    bad = torch.zeros(1, device=device)
+    if grads:  # a NaN anywhere in a rank's (partial) gradients reaches the reduced ones
+        bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).any().float().reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bad.item()
 
 
 @contextmanager

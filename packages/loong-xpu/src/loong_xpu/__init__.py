@@ -6,18 +6,20 @@
         ...
 """
 
-from loong_xpu.accelerator import Accelerator, MemoryStats
+from loong_xpu.accelerator import FEATURES, Accelerator, MemoryStats, UnsupportedFeatureError
 from loong_xpu.patches import MANIFEST, Patch, PatchSet, apply_patches, redirect_cuda
 from loong_xpu.registry import ENTRY_POINT_GROUP, backend_names, get_accelerator
 
 __version__ = "0.1.0"
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "FEATURES",
     "MANIFEST",
     "Accelerator",
     "MemoryStats",
     "Patch",
     "PatchSet",
+    "UnsupportedFeatureError",
     "apply_patches",
     "backend_names",
     "get_accelerator",

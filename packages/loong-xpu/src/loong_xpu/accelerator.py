@@ -10,6 +10,21 @@ from dataclasses import dataclass
 
 import torch
 
+#: Optional features a backend may have; a config that asks for one the backend lacks is refused
+#: naming the backend, the feature and the config key (:meth:`Accelerator.require`).
+FEATURES = (
+    "te",  # Transformer Engine layers (model.layer_backend=te)
+    "fp8",  # FP8 GEMMs
+    "cuda_graphs",  # captured step graphs
+    "grouped_gemm",  # one GEMM for all local experts
+    "deepep",  # DeepEP's fused MoE all-to-all
+    "side_streams",  # queues that run concurrently (communication / offload overlap)
+)
+
+
+class UnsupportedFeatureError(ValueError):
+    """A config asks for a feature the accelerator lacks; the message names backend and key."""
+
 
 @dataclass(frozen=True)
 class MemoryStats:
@@ -89,6 +104,8 @@ class Accelerator(abc.ABC):
     #: True when megatron-core's hard-coded CUDA calls must be redirected to this device
     #: (see :mod:`loong_xpu.patches`). False only for CUDA itself.
     needs_cuda_redirect: bool = True
+    #: the optional :data:`FEATURES` this backend has.
+    features: frozenset[str] = frozenset()
 
     @classmethod
     @abc.abstractmethod
@@ -141,7 +158,30 @@ class Accelerator(abc.ABC):
     @abc.abstractmethod
     def manual_seed(self, seed: int) -> None: ...
 
+    # --- collectives and patches ----------------------------------------------------------
+    def prepare_distributed(self) -> None:
+        """Called before the process group is created: register a vendor collective backend
+        (``torch.distributed.Backend.register_backend``) named :attr:`dist_backend` here."""
+
+    def extra_patches(self) -> tuple:
+        """Backend-specific :class:`~loong_xpu.patches.Patch` entries, applied after the shared
+        manifest by :func:`~loong_xpu.redirect_cuda` and undone with it."""
+        return ()
+
     # --- capabilities --------------------------------------------------------------------
+    def supports(self, feature: str) -> bool:
+        if feature not in FEATURES:
+            raise ValueError(f"unknown accelerator feature {feature!r}; known: {', '.join(FEATURES)}")
+        return feature in self.features
+
+    def require(self, feature: str, key: str) -> None:
+        """Raise :class:`UnsupportedFeatureError` naming ``key`` unless this backend has ``feature``."""
+        if not self.supports(feature):
+            has = ", ".join(sorted(self.features)) or "none"
+            raise UnsupportedFeatureError(
+                f"{key}: the {self.name!r} accelerator does not support {feature!r} (its features: {has})"
+            )
+
     @abc.abstractmethod
     def memory_stats(self) -> MemoryStats: ...
 

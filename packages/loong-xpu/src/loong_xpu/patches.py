@@ -44,7 +44,9 @@ def _is_cuda(device: object) -> bool:
 
 class _DeviceRedirectMode(TorchFunctionMode):
     """Rewrites CUDA ``device`` arguments and ``Tensor.cuda`` to the accelerator's device, and
-    makes ``Tensor.type()`` report CUDA type names there (megatron asserts on them)."""
+    makes ``Tensor.type()`` report CUDA type names there (megatron asserts on them). On a host
+    (cpu) target it also drops ``pin_memory=True``: pinning needs a CUDA host allocator, and
+    megatron pins its context-parallel RoPE index (``get_pos_emb_on_this_cp_rank``)."""
 
     def __init__(self, accel: Accelerator):
         super().__init__()
@@ -60,6 +62,8 @@ class _DeviceRedirectMode(TorchFunctionMode):
             # megatron asserts grad.type() == "torch.cuda.FloatTensor" (clip_grads, DDP buffers):
             # on the redirected device, a tensor reports the CUDA type name of its dtype.
             return func(*args).replace("torch.", "torch.cuda.", 1)
+        if kwargs.get("pin_memory") and self.target.type == "cpu":
+            kwargs["pin_memory"] = False
         dev = kwargs.get("device")
         if dev is not None and _is_cuda(dev):
             kwargs["device"] = self.target
@@ -99,6 +103,19 @@ def _host_copy_of(accel: Accelerator):
         return host.numpy() if as_numpy else host
 
     return maybe_move_tensor_to_cpu
+
+
+def _exact_l2_norm_of(accel: Accelerator):
+    def l2_norm(chunk_size: int, noop_flag, tensor_lists, per_tensor: bool, *args):
+        # megatron's host fallback (utils.local_multi_tensor_l2_norm) sums squares in fp32, which
+        # on the CPU loses up to ~1e-3 relative on a large gradient (the embedding's): enough to
+        # clip differently under TP=2 than in one process. Accumulate in fp64, round once.
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensor_lists[0]]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)
+        per = torch.stack(norms).float().to(accel.device()) if per_tensor and norms else None
+        return total.float().reshape(1).to(accel.device()), per
+
+    return l2_norm
 
 
 def _recompute_context_of(accel: Accelerator):
@@ -213,8 +230,9 @@ MANIFEST: tuple[Patch, ...] = (
     ),
     Patch(
         "megatron.core.optimizer.clip_grads:l2_norm_impl",
-        "the gradient L2 norm kernel (TE's multi_tensor_l2norm when TE is installed)",
-        lambda a: _megatron_util("local_multi_tensor_l2_norm"),
+        "the gradient L2 norm kernel (TE's multi_tensor_l2norm when TE is installed); megatron's host "
+        "fallback sums in fp32 and is inexact enough on large tensors for TP=2 to drift from one process",
+        _exact_l2_norm_of,
     ),
     Patch(
         "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
@@ -290,7 +308,8 @@ def _restore(owner: object, attr: str, marker: str) -> None:
 
 
 def apply_patches(accel: Accelerator) -> PatchSet:
-    """Apply every patch in :data:`MANIFEST` plus the device-argument rewrite for ``accel``.
+    """Apply every patch in :data:`MANIFEST`, then ``accel.extra_patches()``, plus the
+    device-argument rewrite for ``accel``.
 
     Does nothing for backends that run CUDA natively (``needs_cuda_redirect`` False).
     """
@@ -308,7 +327,7 @@ def apply_patches(accel: Accelerator) -> PatchSet:
 
 def _apply_all(accel: Accelerator, patches: PatchSet) -> None:
     undo, applied = patches._undo, patches.applied
-    for patch in MANIFEST:
+    for patch in (*MANIFEST, *accel.extra_patches()):  # the backend's own entries come last
         try:
             owner, attr = _resolve(patch.target)
         except ImportError:

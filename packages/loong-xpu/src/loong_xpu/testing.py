@@ -9,6 +9,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -16,6 +17,20 @@ import torch.distributed as dist
 from loong_xpu.accelerator import Accelerator
 from loong_xpu.patches import redirect_cuda
 from loong_xpu.registry import get_accelerator
+
+
+def live_session_processes(sid: int) -> list[int]:
+    """Processes of session ``sid`` that are still running (zombies, already dead, excluded): what a
+    test that killed a process started with ``start_new_session=True`` finds left of it (Linux)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
 
 
 def launch_env(device: str = "cpu") -> dict[str, str]:
@@ -35,16 +50,20 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def megatron_world(accel: Accelerator) -> Iterator[None]:
-    """A one-process gloo world with megatron's parallel state (TP = PP = 1) on ``accel``'s
-    device 0, with megatron's CUDA calls redirected where the device is not CUDA."""
+    """A one-process world with megatron's parallel state (TP = PP = 1) on ``accel``'s device 0 and
+    collective backend (gloo on the CPU), with megatron's CUDA calls redirected where the device is
+    not CUDA."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     with redirect_cuda(accel):
         accel.set_device(0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        accel.prepare_distributed()  # a vendor collective backend registers itself here
+        dist.init_process_group(accel.dist_backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         mpu.initialize_model_parallel(1, 1)
-        model_parallel_cuda_manual_seed(0)
+        # a fresh RNG tracker per world: one left by an earlier world in this process would be of
+        # that world's class (a backend's extra patches may replace it)
+        model_parallel_cuda_manual_seed(0, force_reset_rng=True)
         try:
             yield
         finally:

@@ -75,7 +75,8 @@ VLM_TOKENS = {
     "image_token_id": 990, "video_token_id": 991, "vision_start_token_id": 992, "vision_end_token_id": 993,
 }  # fmt: skip
 # A real photo (scikit-image's "chelsea", bundled with loong-data's multimodal sample).
-IMAGE = Path(__file__).parents[3] / "packages/loong-data/src/loong_data/corpus/vlm_sample/images/chelsea.jpg"
+# (the repository root is 5 levels up: packages/loong-ckpt/src/loong_ckpt/testing/)
+IMAGE = Path(__file__).parents[5] / "packages/loong-data/src/loong_data/corpus/vlm_sample/images/chelsea.jpg"
 
 
 def make_hf_vlm(path: Path, *, tie: bool = False, seed: int = 0, max_shard_size: str | None = None,

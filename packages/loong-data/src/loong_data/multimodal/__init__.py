@@ -24,6 +24,7 @@ from loong_data.multimodal.convert import (
     ConvertReport,
     bundled_multimodal_shards,
     convert_to_webdataset,
+    write_webdataset,
 )
 from loong_data.multimodal.pipeline import (
     MultimodalDataError,
@@ -62,6 +63,7 @@ __all__ = [
     "bundled_multimodal_shards",
     "collate_multimodal",
     "convert_to_webdataset",
+    "write_webdataset",
     "default_chat_tokenizer",
     "default_multimodal_dataset",
     "encode_sample",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from loong_data.errors import DataError
 from loong_data.tokenizer import EOD_TOKEN, PAD_TOKEN
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -19,7 +20,7 @@ IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
 ROLES = ("system", "user", "assistant")
 
 
-class ConversationError(ValueError):
+class ConversationError(DataError):
     """A conversation that cannot be encoded (wrong structure, placeholder count mismatch)."""
 
 

@@ -12,13 +12,14 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image
 from tqdm import tqdm
 
+from loong_data.errors import DataError
 from loong_data.log import logger
 from loong_data.multimodal.chat import ConversationError, _check_messages
 
@@ -30,7 +31,7 @@ VIDEO_FILE_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
 ON_ERROR = ("skip", "stop")
 
 
-class ConvertError(ValueError):
+class ConvertError(DataError):
     """A bad input record (with ``--on-error stop``) or bad arguments."""
 
 
@@ -183,18 +184,42 @@ def convert_to_webdataset(
     to a temporary folder renamed to ``out_dir`` at the end, so ``out_dir`` is complete or absent.
     ``fingerprint`` (any string) is stored in ``manifest.json`` for callers that reuse shards.
     """
-    import webdataset as wds
-
-    if on_error not in ON_ERROR:
-        raise ConvertError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-    if maxcount < 1 or maxsize < 1:
-        raise ConvertError("maxcount and maxsize must be positive")
     paths = [Path(p) for p in inputs]
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"input not found: {path}")
         if path.suffix not in (".json", ".jsonl"):
             raise ConvertError(f"{path}: expected a .json or .jsonl file")
+    records = (
+        (location, record, Path(media_root) if media_root is not None else path.parent)
+        for path in paths
+        for location, record in _records(path)
+    )
+    return write_webdataset(records, out_dir, inputs=paths, maxcount=maxcount, maxsize=maxsize, on_error=on_error,
+                            overwrite=overwrite, progress=progress, fingerprint=fingerprint)  # fmt: skip
+
+
+def write_webdataset(
+    records: Iterable[tuple[str, object, Path]],
+    out_dir: str | Path,
+    *,
+    inputs: Sequence[str | Path] = (),
+    maxcount: int = 1000,
+    maxsize: int = 1 << 30,
+    on_error: str = "skip",
+    overwrite: bool = False,
+    progress: bool = True,
+    fingerprint: str | None = None,
+) -> ConvertReport:
+    """:func:`convert_to_webdataset` of records already read: ``(location, record, media root)``
+    each, ``location`` (``file:line``) being what errors and the samples' ``source`` name, so that
+    a caller that reorders or merges files still reports the user's own file and line."""
+    import webdataset as wds
+
+    if on_error not in ON_ERROR:
+        raise ConvertError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    if maxcount < 1 or maxsize < 1:
+        raise ConvertError("maxcount and maxsize must be positive")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ConvertError(f"output folder {out_dir} exists and is not empty (pass overwrite to replace it)")
@@ -211,37 +236,33 @@ def convert_to_webdataset(
         ) as sink:
             bar = tqdm(desc="convert-to-webdataset", unit=" records", disable=not progress)
             shard_count = shard_bytes = 0
-            for path in paths:
-                root = Path(media_root) if media_root is not None else path.parent
-                for location, record in _records(path):
-                    bar.update(1)
-                    try:
-                        if isinstance(record, Exception):
-                            raise record
-                        sample, kind = _sample(record, root, location)
-                    except (ConvertError, ConversationError) as e:
-                        message = f"{location}: {e}"
-                        if on_error == "stop":
-                            raise ConvertError(message) from e
-                        logger.warning("skipped %s", message)
-                        report.errors.append(message)
-                        report.num_skipped += 1
-                        continue
-                    sample["__key__"] = f"{report.num_samples:08d}"
-                    size = _tar_bytes(sample)
-                    if shard_count and (
-                        shard_count >= maxcount or _tar_file_bytes(shard_bytes + size) > maxsize
-                    ):
-                        sink.next_stream()
-                        shard_count = shard_bytes = 0
-                    sink.write(sample)
-                    shard_count += 1
-                    shard_bytes += size
-                    report.num_samples += 1
-                    report.counts[kind] = report.counts.get(kind, 0) + 1
+            for location, record, root in records:
+                bar.update(1)
+                try:
+                    if isinstance(record, Exception):
+                        raise record
+                    sample, kind = _sample(record, root, location)
+                except (ConvertError, ConversationError) as e:
+                    message = f"{location}: {e}"
+                    if on_error == "stop":
+                        raise ConvertError(message) from e
+                    logger.warning("skipped %s", message)
+                    report.errors.append(message)
+                    report.num_skipped += 1
+                    continue
+                sample["__key__"] = f"{report.num_samples:08d}"
+                size = _tar_bytes(sample)
+                if shard_count and (shard_count >= maxcount or _tar_file_bytes(shard_bytes + size) > maxsize):
+                    sink.next_stream()
+                    shard_count = shard_bytes = 0
+                sink.write(sample)
+                shard_count += 1
+                shard_bytes += size
+                report.num_samples += 1
+                report.counts[kind] = report.counts.get(kind, 0) + 1
             bar.close()
         shards = sorted(tmp.glob("shard-*.tar"))
-        _write_manifest(tmp, shards, report, paths, fingerprint)
+        _write_manifest(tmp, shards, report, [Path(p) for p in inputs], fingerprint)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

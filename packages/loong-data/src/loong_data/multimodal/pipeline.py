@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from loong_data.errors import DataError
 from loong_data.log import logger
 from loong_data.multimodal.chat import ChatTokenizer, ConversationError, _check_messages, load_chat_tokenizer
 from loong_data.multimodal.convert import MANIFEST
@@ -41,7 +42,7 @@ ON_ERROR = ("raise", "skip")
 OVERFLOW = ("truncate", "skip", "error")
 
 
-class MultimodalDataError(ValueError):
+class MultimodalDataError(DataError):
     """A sample or shard that cannot be used; the message names the shard and the sample key."""
 
 

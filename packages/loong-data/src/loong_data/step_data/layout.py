@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from loong_data.errors import DataError  # noqa: F401  (re-exported: the step-data modules import it from here)
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,8 @@ class StepLayout:
     seed: int = 0
     dp_group: Any = None  # for the collectives of some data kinds (counts, rebalancing)
     device: torch.device | None = None  # where those collectives run
+    # Packed documents are padded to a multiple of this (context parallelism cuts each into 2 x cp chunks).
+    segment_multiple: int = 1
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,15 @@ class StepCounts:
     images: int | None = None
     patches: int = 0
     samples: int | None = None  # conversations (data kinds that count them)
+    digest: int | None = None  # batch_digest of the step's micro-batches (summed over ranks, mod 2**32)
 
 
-class DataError(ValueError):
-    """Data that cannot be used as configured; the message names the key or the file."""
+def batch_digest(microbatches: list[dict]) -> int:
+    """CRC-32 of the step's token ids and image / video grids: two stacks (or two runs) that
+    report the same digest trained on the same samples (benchmarks assert it)."""
+    crc = 0
+    for mb in microbatches:
+        for key in ("tokens", "image_grid_thw", "video_grid_thw"):
+            if key in mb:
+                crc = zlib.crc32(mb[key].to(torch.int64).numpy().tobytes(), crc)
+    return crc

@@ -28,7 +28,7 @@ from loong_data.multimodal.processor import VisionProcessorConfig
 from loong_data.packing import packing_strategy
 from loong_data.prefetch import prefetch
 from loong_data.step_data.config import DataConfig
-from loong_data.step_data.layout import DataError, StepCounts, StepLayout
+from loong_data.step_data.layout import DataError, StepCounts, StepLayout, batch_digest
 from loong_data.step_data.shards import convert_sources
 
 
@@ -98,7 +98,7 @@ class MultimodalStepData:
     def counts(self, microbatches: list[dict], loss_tokens: int) -> StepCounts:
         """Real tokens (padding excluded, image tokens included; the loss counts only assistant
         tokens), images + videos, ViT patches and samples of the step, summed over the DP group
-        (a collective)."""
+        (a collective), and the digest of what the step trained on (:func:`batch_digest`)."""
         tokens = images = patches = samples = 0
         for mb in microbatches:
             cu, ids = mb["cu_seqlens"], mb["tokens"][0]
@@ -112,10 +112,11 @@ class MultimodalStepData:
                 if key in mb and len(mb[key]):
                     images += int(mb[key].shape[0])
                     patches += int(mb[key].prod(dim=1).sum())
-        t = torch.tensor([tokens, images, patches, samples], dtype=torch.float64, device=self.layout.device)
-        dist.all_reduce(t, group=self.layout.dp_group)
-        tokens, images, patches, samples = (int(x) for x in t.tolist())
-        return StepCounts(tokens=tokens, images=images, patches=patches, samples=samples)
+        t = torch.tensor([tokens, images, patches, samples, batch_digest(microbatches)], dtype=torch.float64,
+                         device=self.layout.device)  # fmt: skip
+        dist.all_reduce(t, group=self.layout.dp_group)  # float64 holds sums of up to 2**21 CRCs exactly
+        tokens, images, patches, samples, digest = (int(x) for x in t.tolist())
+        return StepCounts(tokens=tokens, images=images, patches=patches, samples=samples, digest=digest % 2**32)
 
 
 def _forever(ds: PackedMultimodalDataset) -> Iterator[MultimodalSample]:

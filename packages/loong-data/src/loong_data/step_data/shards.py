@@ -8,12 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import tempfile
 from pathlib import Path
 
 from loong_data.bundled import default_multimodal_dataset
 from loong_data.log import logger
-from loong_data.multimodal.convert import ConvertError, convert_to_webdataset
+from loong_data.multimodal.convert import ConvertError, write_webdataset
 from loong_data.prepare import sha256_file
 from loong_data.step_data.config import MultimodalDataConfig
 from loong_data.step_data.layout import DataError
@@ -21,23 +20,9 @@ from loong_data.step_data.layout import DataError
 CONVERTED_VERSION = 1  # bump when the conversion below changes what it writes
 
 
-def _absolute_media(record: dict, root: Path) -> dict:
-    """The record with media paths made absolute (the seeded, merged JSONL lives elsewhere)."""
-    for message in record.get("messages", []) if isinstance(record, dict) else []:
-        content = message.get("content") if isinstance(message, dict) else None
-        for item in content if isinstance(content, list) else []:
-            if not isinstance(item, dict):
-                continue
-            for kind in ("image", "video"):
-                value = item.get(kind) if item.get("type") == kind else None
-                if isinstance(value, str):
-                    item[kind] = str(root / value)
-                elif isinstance(value, list):
-                    item[kind] = [str(root / v) if isinstance(v, str) else v for v in value]
-    return record
-
-
-def _read_records(sources: list[Path], roots: list[Path]) -> list[str]:
+def _read_records(sources: list[Path], roots: list[Path]) -> list[tuple[str, object, Path]]:
+    """``(the user's file:line, record, media root)`` of every line: a skipped record is reported
+    by the user's own file and line, whatever the seeded order puts it."""
     records = []
     for src, root in zip(sources, roots):
         with src.open(encoding="utf-8") as f:
@@ -45,7 +30,7 @@ def _read_records(sources: list[Path], roots: list[Path]) -> list[str]:
                 if not line.strip():
                     continue
                 try:
-                    records.append(json.dumps(_absolute_media(json.loads(line), root.resolve())))
+                    records.append((f"{src}:{n}", json.loads(line), root))
                 except json.JSONDecodeError as e:
                     raise DataError(f"data.multimodal.jsonl: {src}:{n} is not valid JSON ({e.msg})") from None
     return records
@@ -68,14 +53,10 @@ def convert_sources(mm: MultimodalDataConfig, cache_dir: str | Path, seed: int) 
         return out
     records = _read_records(sources, roots)
     random.Random(seed).shuffle(records)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
-        merged = Path(tmp) / "records.jsonl"  # the seeded order; convert_to_webdataset writes out atomically
-        merged.write_text("\n".join(records) + "\n", encoding="utf-8")
-        try:
-            report = convert_to_webdataset([merged], out, maxcount=mm.samples_per_shard, overwrite=True)
-        except ConvertError as e:
-            raise DataError(f"data.multimodal.jsonl: {e}") from None
+    try:  # written atomically: out is complete or absent
+        report = write_webdataset(records, out, inputs=sources, maxcount=mm.samples_per_shard, overwrite=True)
+    except ConvertError as e:
+        raise DataError(f"data.multimodal.jsonl: {e}") from None
     if report.num_skipped:
         logger.warning("skipped %d bad records while converting, e.g. %s", report.num_skipped, report.errors[0])
     logger.info("converted %d conversations into %d shards: %s", report.num_samples, len(report.shards), out)

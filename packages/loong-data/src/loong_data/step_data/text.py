@@ -18,7 +18,7 @@ from loong_data.collate import collate
 from loong_data.documents import DocumentDataset
 from loong_data.lengths import LogNormalLengths
 from loong_data.packed import PackedTextDataset
-from loong_data.packed_collate import collate_packed
+from loong_data.packed_collate import collate_packed, padded_length
 from loong_data.packing import PackingStrategy, packing_strategy
 from loong_data.prepare import prepare_text_dataset
 from loong_data.sampler import DistributedBatchSampler
@@ -46,6 +46,8 @@ class PackedDocuments:
     capacity: int
     strategy: PackingStrategy
     pad_id: int
+    # Every document is padded to a multiple of this (context parallelism: 2 x cp chunks each).
+    segment_multiple: int = 1
 
     def __len__(self) -> int:
         return len(self.documents)
@@ -54,9 +56,10 @@ class PackedDocuments:
         samples = [{k: v for k, v in self.documents[i].items() if k in DOCUMENT_FIELDS} for i in indices]
         if balancer is not None:
             samples = balancer.balance(samples, self.documents.lengths[indices])
-        packs = self.strategy.pack([int(s["tokens"].shape[0]) for s in samples], self.capacity)
-        return [collate_packed([samples[j] for j in pack], capacity=self.capacity, pad_id=self.pad_id)
-                for pack in packs]  # fmt: skip
+        lengths = [padded_length(int(s["tokens"].shape[0]), self.segment_multiple) for s in samples]
+        packs = self.strategy.pack(lengths, self.capacity)
+        return [collate_packed([samples[j] for j in pack], capacity=self.capacity, pad_id=self.pad_id,
+                               segment_multiple=self.segment_multiple) for pack in packs]  # fmt: skip
 
 
 def step_batches(dataset: PackedTextDataset | PackedDocuments | ChatTextDataset, *, micro_batch_size: int,
@@ -103,11 +106,12 @@ class TextStepData:
         return StepCounts(tokens=loss_tokens)
 
 
-def _packed_documents(cfg: DataConfig, split: TokenFile, tokenizer: TextTokenizer, seed: int) -> PackedDocuments:
+def _packed_documents(cfg: DataConfig, split: TokenFile, tokenizer: TextTokenizer, layout: StepLayout) -> PackedDocuments:
     t = cfg.thd
     lengths = LogNormalLengths(median=t.median_length, sigma=t.sigma, long_fraction=t.long_fraction)
-    docs = DocumentDataset(split, cfg.seq_length, lengths=lengths, seed=seed)
-    return PackedDocuments(docs, cfg.seq_length, packing_strategy(t.strategy, t.buffer_size), tokenizer.pad_id)
+    docs = DocumentDataset(split, cfg.seq_length, lengths=lengths, seed=layout.seed)
+    return PackedDocuments(docs, cfg.seq_length, packing_strategy(t.strategy, t.buffer_size), tokenizer.pad_id,
+                           layout.segment_multiple)  # fmt: skip
 
 
 def load_text_data(cfg: DataConfig, layout: StepLayout, *, is_main: bool) -> TextStepData:
@@ -124,8 +128,8 @@ def load_text_data(cfg: DataConfig, layout: StepLayout, *, is_main: bool) -> Tex
     if not is_main:
         corpus = prepare_text_dataset(sources, tokenizer, Path(cfg.cache_dir), **kwargs)  # cache hit
     if cfg.packing == "thd":
-        return TextStepData(tokenizer, _packed_documents(cfg, corpus.train, tokenizer, layout.seed),
-                            _packed_documents(cfg, corpus.val, tokenizer, layout.seed), layout)  # fmt: skip
+        return TextStepData(tokenizer, _packed_documents(cfg, corpus.train, tokenizer, layout),
+                            _packed_documents(cfg, corpus.val, tokenizer, layout), layout)  # fmt: skip
     return TextStepData(tokenizer, PackedTextDataset(corpus.train, cfg.seq_length),
                         PackedTextDataset(corpus.val, cfg.seq_length), layout)  # fmt: skip
 

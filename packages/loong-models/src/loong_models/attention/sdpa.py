@@ -8,6 +8,10 @@ CPU), which never materialises the full matrix for causal attention.
 Packed (THD) micro-batches (``packed_seq_params.qkv_format == "thd"``) run one SDPA per
 segment (causal for LLM documents, bidirectional for ViT images / windows) (see :mod:`loong_models.attention.packed`), so no token attends across a
 document boundary and no [t, t] mask exists.
+
+With context parallelism (``context_parallel_size > 1``) each rank holds a load-balanced slice
+of every sequence and causal attention runs over the CP group: ring (``cp_comm_type`` ``p2p``,
+the default) or all-to-all (``a2a``), see :mod:`loong_models.attention.context_parallel`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from loong_models.attention.context_parallel import CP_COMM_TYPES, context_parallel_attention
 from loong_models.attention.packed import packed_causal_attention
 
 
@@ -48,15 +53,15 @@ class SDPAttention(MegatronModule):
         v_channels: int | None = None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                "context parallelism needs Transformer Engine attention (install loong-models[te])"
-            )
         if config.window_size is not None:
             raise ValueError("sliding-window attention needs Transformer Engine attention")
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
+        self.cp_comm_type = cp_comm_type or "p2p"
+        if self.cp_group is not None:
+            self._check_context_parallel(config, attn_mask_type, attention_dropout, tp_size)
         self.attn_mask_type = attn_mask_type
         self.num_heads = divide(config.num_attention_heads, tp_size)
         self.num_groups = divide(config.num_query_groups, tp_size)
@@ -65,6 +70,25 @@ class SDPAttention(MegatronModule):
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _check_context_parallel(self, config, attn_mask_type, attention_dropout, tp_size: int) -> None:
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"cp_comm_type={self.cp_comm_type!r} is not supported by SDPAttention; allowed: "
+                f"{', '.join(CP_COMM_TYPES)} (all_gather and a2a+p2p need Transformer Engine)"
+            )
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError("context parallelism with SDPAttention supports causal attention only")
+        if (config.attention_dropout if attention_dropout is None else attention_dropout) > 0:
+            raise ValueError("context parallelism with SDPAttention needs attention_dropout=0")
+        cp = config.context_parallel_size
+        if self.cp_comm_type == "a2a":
+            for what, n in (("attention heads", config.num_attention_heads), ("KV groups", config.num_query_groups)):
+                if (n // tp_size) % cp:
+                    raise ValueError(
+                        f"cp_comm_type='a2a' needs the {what} per TP rank ({n} / {tp_size}) divisible "
+                        f"by parallel.cp={cp}; use 'p2p'"
+                    )
 
     def forward(
         self,
@@ -79,6 +103,16 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by SDPAttention")
         mask_type = attn_mask_type or self.attn_mask_type
+        if self.cp_group is not None:
+            if attention_mask is not None or mask_type != AttnMaskType.causal:
+                raise ValueError("context parallelism with SDPAttention supports causal attention only")
+            cu = None
+            if packed_seq_params is not None:
+                if packed_seq_params.qkv_format != "thd":
+                    raise ValueError(f"packed qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
+                cu = packed_seq_params.cu_seqlens_q
+            return context_parallel_attention(query, key, value, comm_type=self.cp_comm_type,
+                                              scale=self.softmax_scale, group=self.cp_group, cu_seqlens=cu)  # fmt: skip
         if packed_seq_params is not None:
             return self._forward_packed(query, key, value, attention_mask, mask_type, packed_seq_params)
         # [s, b, h, d] -> [b, h, s, d]

@@ -105,7 +105,6 @@ def _mla_transformer_config(cfg: FoundationConfig, fields: dict[str, Any]) -> ML
         qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim,
         v_head_dim=mla.v_head_dim,
         qk_layernorm=True,  # in MLA: RMSNorm on the query and KV latents (DeepSeek's q_a/kv_a norms)
-        rope_type="rope",
         rotary_base=cfg.rotary_base,
         # megatron fuses MLA RoPE for YaRN only, and its DSA rejects the fusion; Loong's RoPE is plain
         apply_rope_fusion=False,
@@ -120,6 +119,13 @@ def _mla_transformer_config(cfg: FoundationConfig, fields: dict[str, Any]) -> ML
             dsa_indexer_topk=dsa.index_topk,
             dsa_indexer_loss_coeff=dsa.indexer_loss_coeff,
         )
+    rs = cfg.rope_scaling
+    if rs is None:
+        fields.update(rope_type="rope")
+    else:  # YaRN (validated: the only scaling of MLA families), under megatron's names
+        fields.update(rope_type="yarn", rotary_scaling_factor=rs.factor, beta_fast=rs.beta_fast,
+                      beta_slow=rs.beta_slow, mscale=rs.mscale, mscale_all_dim=rs.mscale_all_dim,
+                      original_max_position_embeddings=rs.original_max_position_embeddings)  # fmt: skip
     config = MLATransformerConfig(**fields)
     if dsa is not None:
         # megatron's pipeline schedules call this hook after each micro-batch's loss with the
@@ -157,7 +163,7 @@ def build_foundation(
         position_embedding_type="rope" if cfg.mrope_section is None else "mrope",
         scatter_embedding_sequence_parallel=scatter_embedding_sequence_parallel,
         rotary_base=int(cfg.rotary_base),
-        rope_scaling=rs is not None,
+        rope_scaling=rs is not None and rs.type == "llama3",  # MLA's YaRN lives in its attention
         rope_scaling_factor=rs.factor if rs is not None else 8.0,
         vp_stage=vp_stage,
     )

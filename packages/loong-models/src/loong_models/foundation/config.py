@@ -24,11 +24,24 @@ _MEGATRON_LLAMA3_ROPE = {
 
 @dataclass
 class RopeScaling:
+    """llama3 (GQA families) or yarn (MLA families: DeepSeek-V3's long-context RoPE, with its
+    softmax-scale correction ``mscale_all_dim``); ``ROPE_TYPE_FIELDS`` names each type's keys."""
+
     type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+ROPE_TYPE_FIELDS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+}
 
 
 @dataclass
@@ -108,9 +121,16 @@ class FoundationConfig:
         self._validate_recompute_modules(prefix)
         self._validate_moe(get_family(self.family), prefix)
         if self.rope_scaling is not None:
-            rs = self.rope_scaling
-            if rs.type != "llama3":
-                raise ValueError(f"{prefix}.rope_scaling.type={rs.type!r}; allowed: llama3")
+            self._validate_rope_scaling(prefix)
+
+    def _validate_rope_scaling(self, prefix: str) -> None:
+        rs = self.rope_scaling
+        allowed = "yarn" if self.mla is not None else "llama3"  # megatron: YaRN in MLA, llama3 in RoPE
+        if rs.type != allowed:
+            raise ValueError(f"{prefix}.rope_scaling.type={rs.type!r}; allowed for this attention: {allowed}")
+        if self.sparse_attention is not None:  # Loong's DSA attention applies plain RoPE (attention/)
+            raise ValueError(f"{prefix}.rope_scaling with sparse_attention (DSA) is not supported yet; set it to null")
+        if rs.type == "llama3":
             for key, expected in _MEGATRON_LLAMA3_ROPE.items():
                 if getattr(rs, key) != expected:
                     raise ValueError(
@@ -170,7 +190,7 @@ class FoundationConfig:
             return
         self.mla.validate(f"{prefix}.mla")
         # MLA fixes its own head sizes; GQA keys would be silently ignored, so reject them.
-        for key in ("num_query_groups", "kv_channels", "rope_scaling"):
+        for key in ("num_query_groups", "kv_channels"):  # (MLA takes rope_scaling: YaRN)
             if getattr(self, key) is not None:
                 raise ValueError(
                     f"{prefix}.{key} does not apply to family {fam.name!r} (MLA); set it to null"

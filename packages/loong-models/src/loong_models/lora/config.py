@@ -16,6 +16,8 @@ class LoraConfig:
     dropout: float = 0.0  # on the adapter's input, training only
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     components: list[str] = field(default_factory=lambda: ["foundation"])
+    # A PEFT LoRA adapter directory the adapters start from (loong_ckpt.peft_import); None = B = 0.
+    init_from: str | None = None
 
     @property
     def scale(self) -> float:

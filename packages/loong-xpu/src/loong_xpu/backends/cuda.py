@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loong_xpu.accelerator import Accelerator, MemoryStats
+from loong_xpu.accelerator import FEATURES, Accelerator, MemoryStats
 
 # Dense (no sparsity) peak FLOP/s per GPU, from the vendors' data sheets.
 _PEAK_FLOPS = {
@@ -23,6 +23,8 @@ class CudaAccelerator(Accelerator):
     device_type = "cuda"
     dist_backend = "nccl"
     priority = 100
+    # every optional feature exists on CUDA (whether its package, e.g. TE, is installed is checked where it is used)
+    features = frozenset(FEATURES)
     needs_cuda_redirect = False
 
     @classmethod

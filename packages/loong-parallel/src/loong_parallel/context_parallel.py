@@ -1,0 +1,50 @@
+"""This context-parallel rank's share of a micro-batch: the load-balanced (zigzag) slice of every
+sequence, the layout megatron's RoPE and the CP attention (TE's, or loong-models' ring / a2a)
+expect. Packed (THD) batches are split per document and keep the full ``cu_seqlens``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loong_models.attention.cp_layout import packed_zigzag, zigzag_positions
+
+# Per-token fields of a micro-batch, [b, s] (THD: [1, t]).
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def split_for_context_parallel(batch: dict[str, Any], cp_size: int, cp_rank: int) -> dict[str, Any]:
+    """The micro-batch as rank ``cp_rank`` of ``cp_size`` sees it; other keys pass unchanged.
+    Every sequence (every THD segment) must be divisible by ``2 * cp_size``: pad samples with
+    ``loong_data.collate_packed(..., segment_multiple=2 * cp)``."""
+    if cp_size == 1:
+        return batch
+    if "cu_seqlens" in batch:
+        cu = [int(x) for x in batch["cu_seqlens"].tolist()]
+        try:
+            index, _ = packed_zigzag(cu, cp_size, cp_rank)
+        except ValueError as e:
+            raise ValueError(f"packed micro-batch with segments {cu}: {e}") from None
+    else:
+        index = zigzag_positions(int(batch["tokens"].shape[1]), cp_size, cp_rank)
+    out = dict(batch)
+    for key in SEQUENCE_KEYS:
+        if key in batch:
+            out[key] = batch[key].index_select(1, index.to(batch[key].device))
+    return out
+
+
+def context_parallel_conflicts(pcfg, *, seq_length: int, features: dict[str, bool]) -> list[str]:
+    """Why this job cannot run with ``pcfg.cp`` (empty: it can). ``features`` maps a config key
+    (as the user wrote it) to whether that feature is on; every feature listed here is one that
+    context parallelism does not support yet."""
+    if pcfg.cp == 1:
+        return []
+    errors = [f"parallel.cp={pcfg.cp} cannot combine with {key}" for key, on in features.items() if on]
+    multiple = 2 * pcfg.cp * (pcfg.tp if pcfg.sequence_parallel else 1)
+    if seq_length % multiple:
+        why = " x parallel.tp (sequence parallel)" if pcfg.sequence_parallel else ""
+        errors.append(
+            f"data.seq_length={seq_length} must be a multiple of 2 x parallel.cp{why} = {multiple} "
+            "(every sequence is cut into 2 x cp load-balanced chunks)"
+        )
+    return errors
