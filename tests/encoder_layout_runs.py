@@ -86,7 +86,7 @@ def run(accel, batches: list[dict], *, layout: str, sp: bool, freeze: bool = Fal
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
     overrides = ["layer_backend=local", "image_encoder.tensor_model_parallel_size=1",
-                 f"image_encoder.freeze={str(freeze).lower()}"]  # fmt: skip
+                 *(["+image_encoder.freeze=true"] if freeze else [])]  # fmt: skip
     cfg = load_model_config("tiny-vlm", overrides)
     tconfig = build_transformer_config(cfg.foundation, **fusion_fields("local"),
                                        **runtime_transformer_fields(pcfg, dtype=torch.float32, device_type="cpu"))  # fmt: skip

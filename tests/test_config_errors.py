@@ -54,7 +54,7 @@ def test_bad_values_name_the_key(override, message):
     [
         ("train.dtype=fp8", "train.dtype", "auto, bf16, fp16, fp32"),
         ("optim.schedule=step", "optim.schedule", "cosine, linear, constant"),
-        ("data.kind=audio", "data.kind", "text, chat, multimodal"),
+        ("data.kind=audio", "data.kind", "text, chat, multimodal, lerobot, diffusion"),
         ("parallel.moe_token_dispatcher=flex", "parallel.moe_token_dispatcher", "alltoall, allgather"),
     ],
 )
@@ -67,7 +67,7 @@ def test_choices_name_the_allowed_values(override, key, allowed):
 
 def test_world_size_must_fit_layout():
     cfg = to_config(compose_config("parallel.tp=2", "parallel.pp=2"))
-    with pytest.raises(ConfigError, match=r"world size 2 is not divisible by parallel.tp \* parallel.pp = 2 \* 2"):
+    with pytest.raises(ConfigError, match=r"world size 2 is not divisible by parallel.tp \* parallel.pp \* parallel.cp = 2 \* 2 \* 1"):
         validate(cfg, world_size=2)
 
 
@@ -95,6 +95,19 @@ def test_cli_reports_config_error_and_missing_data(run_train):
     assert run.returncode != 0
     assert "/nonexistent/corpus.txt" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_context_parallelism_names_what_it_cannot_combine_with():
+    cfg = to_config(compose_config("parallel.cp=2", "parallel.balance.enabled=true", "data.packing=thd",
+                                   "data.seq_length=250"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 cannot combine with parallel.balance.enabled=true"):
+        validate(cfg, world_size=2)
+    cfg = to_config(compose_config("parallel.cp=2", "data.seq_length=250"))
+    with pytest.raises(ConfigError, match=r"data.seq_length=250 must be a multiple of 2 x parallel.cp = 4"):
+        validate(cfg, world_size=2)
+    cfg = to_config(compose_config("parallel.cp=2", "model=deepseek-v32-tiny"))
+    with pytest.raises(ConfigError, match=r"cannot combine with model.foundation.sparse_attention"):
+        validate(cfg, world_size=2)
 
 
 def test_init_from_without_a_chosen_phase_or_rate_gets_the_fine_tuning_recipe():

@@ -42,6 +42,17 @@ def test_two_process_layout_matches_single_process(reference, run_train, layout)
     assert worst <= TOL, f"{layout}: largest loss difference over {STEPS} steps {worst:.2e}"
 
 
+@pytest.mark.dist
+def test_context_parallel_run_matches_single_process_to_1e_5(reference, run_train):
+    """parallel.cp=2 through the train app: each rank trains on its load-balanced half of every
+    sequence (ring attention over gloo); losses over the steps follow the single process."""
+    common, single = reference
+    losses = run_train([*common, "parallel.cp=2"], nproc=2, name="cp2").check().losses()
+    assert sorted(losses) == sorted(single)
+    for step, loss in single.items():
+        assert abs(losses[step] - loss) <= 1e-5, f"step {step}: {losses[step]} vs single-process {loss}"
+
+
 @pytest.mark.gpu
 @pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

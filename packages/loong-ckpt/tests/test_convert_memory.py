@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -51,6 +52,12 @@ def _peak_rss_mib(*args: str) -> float:
     return float(re.search(r"peak RSS (\d+) MiB", proc.stdout).group(1))
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by this test: on this shape (layers dominate, a 1 MiB embedding) the peak grows "
+    "~25 MiB per 32 MiB layer in both directions (2 -> 10 layers: 861 -> 1071 MiB hf-to-mcore, 880 -> 1071 "
+    "MiB mcore-to-hf); the README's measurement had a 0.5 GiB embedding dominating. Not fixed yet.",
+)
 def test_peak_rss_of_a_conversion_does_not_grow_with_the_number_of_layers(tmp_path):
     peaks = {}
     for layers in (2, 10):

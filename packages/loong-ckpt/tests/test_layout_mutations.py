@@ -68,4 +68,5 @@ def test_parity_catches_a_wrong_fused_layout(name, tmp_path, tmp_path_factory):
     with mutated(transform, *mutation()):
         hf_to_mcore(c.hf, tmp_path / "ckpt", progress=False)
     wrong = logits_in_process(tmp_path / "ckpt", c.tokens)
-    assert (wrong - c.ref).abs().max().item() > 100 * TOL, f"{name}: the parity test would not notice"
+    # well past the tolerance (a mutated ViT moves the random tiny VLM's logits by ~80x TOL, the LLM ones more)
+    assert (wrong - c.ref).abs().max().item() > 10 * TOL, f"{name}: the parity test would not notice"

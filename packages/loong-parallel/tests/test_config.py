@@ -8,7 +8,7 @@ from loong_parallel import OptimConfig, ParallelConfig
 def test_data_parallel_size_is_derived():
     assert ParallelConfig(tp=2, pp=2).data_parallel_size(8) == 2
     with pytest.raises(
-        ValueError, match=r"world size 6 is not divisible by parallel.tp \* parallel.pp = 4 \* 1"
+        ValueError, match=r"world size 6 is not divisible by parallel.tp \* parallel.pp \* parallel.cp = 4 \* 1 \* 1"
     ):
         ParallelConfig(tp=4).data_parallel_size(6)
 

@@ -89,13 +89,14 @@ def validate(cfg: Config, world_size: int) -> int:
 
 
 def _validate_packages(cfg: Config, world_size: int) -> None:
-    f, moe = cfg.model.foundation, cfg.model.foundation.moe
+    shape = cfg.model.layout_shape()  # the trained transformer's (the foundation, or a DiT)
+    moe = shape["moe"]
     cfg.model.validate()  # every component (foundation, image encoder, projector, token ids)
     if cfg.model.lora is not None:
         cfg.model.lora.validate()
     cfg.optim.validate()
     cfg.parallel.validate(
-        world_size, f.num_layers, f.num_attention_heads, f.query_groups,
+        world_size, shape["num_layers"], shape["num_attention_heads"], shape["query_groups"],
         num_experts=moe.num_experts if moe else None, expert_ffn_hidden_size=moe.ffn_hidden_size if moe else None,
         has_shared_experts=bool(moe and moe.shared_expert_intermediate_size),
     )  # fmt: skip
@@ -120,6 +121,9 @@ def _cross_package_errors(cfg: Config) -> list[str]:
     if d.kind == "multimodal" and cfg.model.image_encoder is None:
         errors.append("data.kind=multimodal (images in the data) but model.image_encoder is null: the model "
                       "cannot see images; choose a VLM, e.g. model=tiny-vlm")  # fmt: skip
+    if (d.kind == "diffusion") != cfg.model.is_diffusion:
+        errors.append(f"data.kind={d.kind} with model.diffusion={'set' if cfg.model.is_diffusion else 'null'}: a "
+                      "diffusion model (e.g. model=wan-tiny) trains on data.kind=diffusion, and only it does")  # fmt: skip
     return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
             + _context_parallel_errors(cfg))
 
@@ -146,7 +150,11 @@ def _balance_errors(cfg: Config) -> list[str]:
 
 
 def patch_geometry(model: ModelConfig) -> PatchGeometry | None:
-    """How the model cuts images into patches: the data's image processor follows the model."""
+    """How the model cuts images into patches: the data's image processor follows the model (a
+    diffusion model: its DiT's latent patch, frames x height x width)."""
+    if model.diffusion is not None:
+        pf, ph, pw = model.diffusion.patch_size
+        return PatchGeometry(patch_size=ph, temporal_patch_size=pf, merge_size=1)
     e = model.image_encoder
     if e is None:
         return None

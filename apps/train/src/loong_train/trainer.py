@@ -25,7 +25,6 @@ from loong_ckpt.training import save_checkpoint
 from loong_data.step_data import StepCounts, StepData, StepLayout, build_step_data
 from loong_parallel import (
     DataParallel,
-    LanguageModel,
     ModelKind,
     NonFiniteGuard,
     StepResult,
@@ -37,6 +36,7 @@ from loong_parallel import (
     init_distributed,
     initialize_model_parallel,
     microbatch_iterators,
+    model_kind,
     rng_state,
     schedule_shape,
     seed_everything,
@@ -117,7 +117,7 @@ class Trainer:
         self.dp = data_parallel()
         layout = step_layout(cfg, num_microbatches=self.num_microbatches, dp=self.dp, device=self.device)
         self.data = data(layout) if data else run_data(cfg, layout, is_main=self.is_main)
-        self.model = model or LanguageModel.from_config(cfg.model, self.accel.device_type)
+        self.model = model or model_kind(cfg.model, self.accel.device_type, seed=t.seed)
         self._build_model()
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, cfg.parallel, self.chunks, dtype=self.dtype,
                                                          total_steps=t.steps)  # fmt: skip

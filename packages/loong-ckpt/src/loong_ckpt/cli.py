@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
             )
-            print(f"fine-tune from it (phase=finetune: a fine-tuning rate; phase=pretrain for pretraining rates):"
-                  f"\n  {res.command}")  # fmt: skip
+            if res.command:  # a diffusers Wan conversion has none (its model is model.diffusion)
+                print(f"fine-tune from it (phase=finetune: a fine-tuning rate; phase=pretrain for pretraining rates):"
+                      f"\n  {res.command}")  # fmt: skip
         else:
             foundation = _load_foundation_yaml(args.model_yaml) if args.model_yaml else None
             res = mcore_to_hf(args.src, args.out, dtype=args.dtype, tokenizer=args.tokenizer, foundation=foundation,

@@ -240,8 +240,13 @@ _COMPONENT_KEYS = ("image_encoder", "image_projector")
 
 def checkpoint_meta(cfg: Any) -> dict[str, Any]:
     """What loong.json records of the model: ``foundation`` (as for text models), plus the other
-    components and the model-level fields of a composed model under ``model``."""
+    components and the model-level fields of a composed model under ``model``; a diffusion model
+    records its ``model`` only (``model.diffusion``: its transformer, read by loong-convert)."""
+    if getattr(cfg, "diffusion", None) is not None:
+        return {"model": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "foundation"}}
     meta: dict[str, Any] = {"foundation": dataclasses.asdict(foundation_of(cfg))}
+    if getattr(cfg, "embodied", None) is not None:  # a policy: its own config is the model
+        return {"embodied": dataclasses.asdict(cfg.embodied)}
     if is_composed(cfg):
         model = dataclasses.asdict(cfg)
         model.pop("foundation")
@@ -251,6 +256,12 @@ def checkpoint_meta(cfg: Any) -> dict[str, Any]:
 
 def config_from_meta(meta: dict[str, Any]) -> Any:
     """Inverse of :func:`checkpoint_meta` (a FoundationConfig when no composed model is recorded)."""
+    if (meta.get("model") or {}).get("diffusion"):
+        from omegaconf import OmegaConf
+
+        from loong_models import ModelConfig
+
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), meta["model"]))
     foundation = foundation_from_dict(meta["foundation"])
     model = meta.get("model")
     if not model or not model.get("image_encoder"):

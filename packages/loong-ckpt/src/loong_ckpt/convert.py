@@ -33,6 +33,12 @@ from loong_ckpt.components import (
     same_model,
     write_any_model_yaml,
 )
+from loong_ckpt.diffusion import (
+    diffusers_to_mcore,
+    is_diffusers_wan,
+    is_diffusion_checkpoint,
+    mcore_to_diffusers,
+)
 from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
 from loong_ckpt.integrity import check_files, hash_files, listed_files
@@ -164,19 +170,11 @@ def check_hf_extras(reader: HFReader, cfg: FoundationConfig) -> None:
         )
 
 
-def hf_to_mcore(
-    src: str | Path,
-    out: str | Path,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    dtype: str | None = None,
-    name: str | None = None,
-    force: bool = False,
-    progress: bool = True,
-) -> ConvertResult:
-    """Convert an HF directory into a complete Loong checkpoint directory ``out``."""
+def hf_to_mcore(src: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None,
+                name: str | None = None, force: bool = False, progress: bool = True) -> ConvertResult:  # fmt: skip
+    """Convert an HF directory (or a diffusers Wan transformer) into a Loong checkpoint ``out``."""
+    if is_diffusers_wan(src):
+        return diffusers_to_mcore(src, out, dtype=dtype, force=force, progress=progress)
     t0 = time.perf_counter()
     src, out = Path(src), Path(out).absolute()
     check_output_dir(out, force)
@@ -323,6 +321,9 @@ def mcore_to_hf(
     check_output_dir(out, force)
     if src.name.endswith(PARTIAL_SUFFIX):
         raise ConversionError(f"{src} is an incomplete checkpoint (interrupted save); it cannot be converted")
+    meta_path = src / META_FILE
+    if meta_path.is_file() and is_diffusion_checkpoint(meta := json.loads(meta_path.read_text())):
+        return mcore_to_diffusers(src, out, meta, dtype=dtype, force=force, max_shard_bytes=max_shard_bytes)
     model_cfg, meta = _checkpoint_model(src, foundation)
     verify_files(src, meta)
     cfg = foundation_of(model_cfg)

@@ -53,9 +53,11 @@ class TensorInfo:
 
 
 class HFReader:
-    """Tensors of an HF directory by name, with shape / dtype known up front (headers only)."""
+    """Tensors of an HF directory by name, with shape / dtype known up front (headers only).
+    ``weights`` is the safetensors file stem (``model``; diffusers: ``diffusion_pytorch_model``)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, weights: str = "model") -> None:
+        self.single_file, self.index_file = f"{weights}.safetensors", f"{weights}.safetensors.index.json"
         self.path = Path(path)
         self.config: dict[str, Any] = self.read_config(self.path)
         self.tensors: dict[str, TensorInfo] = {}
@@ -96,7 +98,7 @@ class HFReader:
             raise ConversionError(f"{cfg}: invalid JSON ({e})") from None
 
     def _files(self) -> list[Path]:
-        index = self.path / INDEX_FILE
+        index = self.path / self.index_file
         if index.is_file():
             try:
                 weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -111,10 +113,10 @@ class HFReader:
                         f"but {self.path / name} does not exist"
                     )
             return [self.path / n for n in files]
-        single = self.path / SINGLE_FILE
+        single = self.path / self.single_file
         if single.is_file():
             return [single]
-        raise ConversionError(f"{self.path}: no {INDEX_FILE} or {SINGLE_FILE} found")
+        raise ConversionError(f"{self.path}: no {self.index_file} or {self.single_file} found")
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -167,9 +169,10 @@ class SafetensorsWriter:
     ``max_shard_bytes`` (a larger tensor gets a shard of its own), plus the index file."""
 
     def __init__(
-        self, out: Path, plan: Iterable[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int
+        self, out: Path, plan: Iterable[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int,
+        weights: str = "model",
     ) -> None:
-        self.out = out
+        self.out, self.weights = out, weights
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
         size = 0
         for name, shape, dtype in plan:
@@ -180,7 +183,7 @@ class SafetensorsWriter:
             shards[-1].append((name, shape, dtype))
             size += nbytes
         n = len(shards)
-        self._files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self._files = [f"{weights}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self._shards = shards
         self._order = [name for shard in shards for name, _, _ in shard]
         self._pos = 0
@@ -225,7 +228,7 @@ class SafetensorsWriter:
             raise RuntimeError(f"safetensors writer: {len(self._order) - self._pos} planned tensors not written")
         weight_map = {name: self._files[i] for i, shard in enumerate(self._shards) for name, _, _ in shard}
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (self.out / f"{self.weights}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
         if self._stream is not None:

@@ -134,10 +134,16 @@ def _foundation_diff(a: FoundationConfig, b: FoundationConfig) -> str:
 def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None) -> Path:
     """Collective: rank 0 writes an HF directory from a just-saved checkpoint; all ranks wait."""
     from loong_ckpt.convert import mcore_to_hf
+    from loong_ckpt.training import read_checkpoint_info
 
     out = Path(out)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        mcore_to_hf(checkpoint, out, tokenizer=tokenizer, force=True, progress=False)
+        if "embodied" in read_checkpoint_info(checkpoint).meta:  # a policy: LeRobot's layout
+            from loong_ckpt.pi05 import mcore_to_lerobot
+
+            mcore_to_lerobot(checkpoint, out)
+        else:
+            mcore_to_hf(checkpoint, out, tokenizer=tokenizer, force=True, progress=False)
         logger.info("exported HF weights to %s", out)
     if dist.is_initialized():
         dist.barrier()

@@ -53,7 +53,7 @@ def _adapter_tensors(src: Path, cfg: Any, stored: dict) -> tuple[dict[str, torch
                     for t in _read_full(src, stored, [stem + ".lora_a", stem + ".lora_b"]).values())  # fmt: skip
             for name, b_part in zip(rule.hf_names(layer, expert), rule.to_hf(b, f)):
                 module = name.removesuffix(".weight")
-                out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.contiguous()
+                out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.clone()  # one copy per projection (safetensors)
                 out[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_part.contiguous()
                 modules.add(module.rsplit(".", 1)[-1])
             used.add(stem)

@@ -116,7 +116,14 @@ def load_adapters(path: str, chunks: list, model_cfg: Any) -> None:
 
 
 def load_weights(init_from: str, chunks: list, model_cfg: Any, *, part: str = "all") -> None:
-    """Model weights (not optimizer state) from an HF directory or a Loong checkpoint."""
+    """Model weights (not optimizer state) from an HF directory, a LeRobot / OpenPI policy
+    (``model.embodied``: a folder or file of safetensors) or a Loong checkpoint."""
+    src = Path(init_from)
+    if getattr(model_cfg, "embodied", None) is not None and (src.suffix == ".safetensors" or any(src.glob("*.safetensors"))):
+        from loong_ckpt.pi05 import load_lerobot_weights
+
+        load_lerobot_weights(init_from, chunks, model_cfg.embodied)
+        return
     if is_hf_dir(init_from):
         load_hf_weights(init_from, chunks, model_cfg)  # every component of a VLM; never LoRA adapters
         return

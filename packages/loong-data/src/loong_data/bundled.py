@@ -36,3 +36,12 @@ def default_chat_dataset() -> Path:
     """Text chat set for SFT: 3290 question/answer conversations about the bundled Shakespeare
     (which work has a line, which line follows), built by ``loong_data.tools.build_shakespeare_chat``."""
     return SHAKESPEARE_CHAT
+
+
+ROBOT_DATASET_DIR = _ROOT / "corpus" / "metaworld_reach"
+
+
+def default_robot_dataset() -> Path:
+    """A LeRobot v3.0 dataset of scripted-expert Metaworld ``reach-v3`` episodes (state, 64x64
+    corner camera, 4-d actions), rendered with MuJoCo by ``loong_data.tools.build_metaworld_sample``."""
+    return ROBOT_DATASET_DIR

@@ -1,5 +1,7 @@
 """loong-models: the model zoo, as YAML-composed components built on megatron-core."""
 
+from loong_models.diffusion import WanConfig, WanModel, build_wan_transformer_config
+from loong_models.diffusion.towers import TextEncoderConfig, VaeConfig
 from loong_models.foundation import (
     FAMILIES,
     FoundationConfig,
@@ -36,6 +38,11 @@ __all__ = [
     "ModelConfig",
     "OmniCombinationModel",
     "VisionTokenIds",
+    "TextEncoderConfig",
+    "VaeConfig",
+    "WanConfig",
+    "WanModel",
+    "build_wan_transformer_config",
     "RopeScaling",
     "apply_lora",
     "build_foundation",

@@ -12,6 +12,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from omegaconf import OmegaConf
 
+from loong_models.diffusion import FlowMatchingConfig, WanConfig, WanModel, build_wan_transformer_config
+from loong_models.diffusion.towers import TextEncoderConfig, VaeConfig
+from loong_models.embodied.pi05 import Pi05Config
 from loong_models.foundation import FoundationConfig, build_foundation
 from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
 from loong_models.image_projector import (
@@ -44,12 +47,34 @@ class ModelConfig:
     layer_backend: str = "auto"
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
+    # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,
+    # not a megatron GPTModel; the foundation and VLM fields are then unused.
+    embodied: Pi05Config | None = None
+
+    @property
+    def is_embodied(self) -> bool:
+        return self.embodied is not None
+    # Diffusion models (Wan): the denoising transformer, and the frozen VAE / text encoder that
+    # make its inputs. With ``diffusion`` set the model is the DiT and ``foundation`` is unused.
+    diffusion: WanConfig | None = None
+    vae: VaeConfig | None = None
+    text_encoder: TextEncoderConfig | None = None
+    flow_matching: FlowMatchingConfig | None = None  # the DiT's objective (null: Wan's defaults)
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.diffusion is not None
 
     @property
     def is_multimodal(self) -> bool:
         return self.image_encoder is not None
 
     def validate(self, prefix: str = "model") -> None:
+        if self.embodied is not None:
+            return self.embodied.validate(f"{prefix}.embodied")
+        if self.is_diffusion:
+            self._validate_diffusion(prefix)
+            return
         self.foundation.validate(f"{prefix}.foundation")
         if (self.image_encoder is None) != (self.image_projector is None):
             raise ValueError(f"{prefix}.image_encoder and {prefix}.image_projector must both be set (a VLM) "
@@ -73,8 +98,41 @@ class ModelConfig:
             raise ValueError(f"{prefix}.image_projector.tensor_model_parallel_size={ptp}: the projector runs on "
                              f"the encoder's group; use null or the encoder's size ({etp})")  # fmt: skip
 
+    def layout_shape(self) -> dict[str, Any]:
+        """What a parallel layout must divide: the trained transformer's layers, heads, KV groups
+        and experts (the foundation's, or a diffusion model's DiT)."""
+        if self.diffusion is not None:
+            d = self.diffusion
+            return dict(num_layers=d.num_layers, num_attention_heads=d.num_attention_heads,
+                        query_groups=d.num_attention_heads, moe=None)  # fmt: skip
+        f = self.foundation
+        return dict(num_layers=f.num_layers, num_attention_heads=f.num_attention_heads, query_groups=f.query_groups,
+                    moe=f.moe)  # fmt: skip
+
+    def _validate_diffusion(self, prefix: str) -> None:
+        assert self.diffusion is not None
+        self.diffusion.validate(f"{prefix}.diffusion")
+        if self.flow_matching is not None:
+            self.flow_matching.validate(f"{prefix}.flow_matching")
+        if self.image_encoder is not None or self.lora is not None:
+            raise ValueError(f"{prefix}.diffusion: image_encoder / lora are not supported with a diffusion model")
+        if self.vae is not None:
+            self.vae.validate(f"{prefix}.vae")
+            if self.vae.z_dim != self.diffusion.out_channels:
+                raise ValueError(f"{prefix}.vae.z_dim={self.vae.z_dim} != {prefix}.diffusion.out_channels="
+                                 f"{self.diffusion.out_channels}")  # fmt: skip
+        if self.text_encoder is not None:
+            self.text_encoder.validate(f"{prefix}.text_encoder")
+            if self.text_encoder.d_model != self.diffusion.text_dim:
+                raise ValueError(f"{prefix}.text_encoder.d_model={self.text_encoder.d_model} != "
+                                 f"{prefix}.diffusion.text_dim={self.diffusion.text_dim}")  # fmt: skip
+
     def num_parameters(self) -> int:
         """Exact parameter count of what gets built (unpadded vocab), all components."""
+        if self.embodied is not None:
+            return self.embodied.num_parameters()
+        if self.diffusion is not None:
+            return self.diffusion.num_parameters()
         n = self.foundation.num_parameters()
         if self.image_encoder is not None:
             e = self.image_encoder
@@ -95,8 +153,14 @@ class ModelConfig:
                 if mine is not None and mine != theirs:
                     raise ValueError(f"model.{key}={mine} but the tokenizer ({source}) has id {theirs} for "
                                      f"that token; set model.{key}={theirs}")  # fmt: skip
-        if vocab_size > self.foundation.vocab_size:
-            raise ValueError(f"model.foundation.vocab_size={self.foundation.vocab_size} is smaller than the "
+        if self.text_encoder is not None and vocab_size > self.text_encoder.vocab_size:
+            raise ValueError(f"model.text_encoder.vocab_size={self.text_encoder.vocab_size} is smaller than the "
+                             f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
+        if self.diffusion is not None:
+            return
+        key, size = ("embodied", self.embodied.vocab_size) if self.embodied else ("foundation", self.foundation.vocab_size)
+        if vocab_size > size:
+            raise ValueError(f"model.{key}.vocab_size={size} is smaller than the "
                              f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
 
     def flops_per_patch(self) -> float:
@@ -189,6 +253,8 @@ def build_model(
     ``layer_backend``: the resolved backend (:func:`resolve_backend`), resolved here when None.
     """
     backend = layer_backend or resolve_backend(cfg.layer_backend, device_type)
+    if cfg.diffusion is not None:
+        return _build_diffusion(cfg, config, backend)
     foundation = build_foundation(
         cfg.foundation,
         config,
@@ -232,6 +298,20 @@ def build_model(
     )  # fmt: skip
     # encoder and projector: None on pipeline stages after the first
     return _with_lora(cfg, model, {"foundation": foundation, "image_encoder": encoder, "image_projector": projector})
+
+
+def _build_diffusion(cfg: ModelConfig, config: TransformerConfig, backend: str) -> WanModel:
+    """The Wan DiT, with the runtime's precision and TP size (``config`` is the foundation's
+    TransformerConfig: only its runtime fields are read)."""
+    assert cfg.diffusion is not None
+    tp = cfg.diffusion.tensor_model_parallel_size or config.tensor_model_parallel_size
+    if tp != config.tensor_model_parallel_size:
+        raise ValueError(f"model.diffusion.tensor_model_parallel_size={tp} must equal the run's "
+                         f"tensor-parallel size {config.tensor_model_parallel_size}")  # fmt: skip
+    wconfig = build_wan_transformer_config(cfg.diffusion, config, tensor_model_parallel_size=tp, backend=backend)
+    model = WanModel(cfg.diffusion, wconfig, layer_backend=backend)
+    _apply_component_settings(model, cfg.diffusion.freeze, replicated=False)
+    return model
 
 
 def _with_lora(cfg: ModelConfig, model: torch.nn.Module, components: dict) -> torch.nn.Module:

@@ -226,3 +226,28 @@ def projector_mlp_spec(backend: str):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiTModules:
+    """The layer implementations of a diffusion transformer's blocks for one backend."""
+
+    column_linear: type
+    row_linear: type
+    core_attention: type
+
+
+def dit_modules(backend: str) -> DiTModules:
+    """Column- / row-parallel linears and core attention of a DiT layer (Wan): TE's on the TE
+    backend, megatron's local linears with :class:`SDPAttention` elsewhere."""
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TEDotProductAttention,
+            TERowParallelLinear,
+        )
+
+        return DiTModules(TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention)
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return DiTModules(ColumnParallelLinear, RowParallelLinear, SDPAttention)

@@ -13,6 +13,7 @@ from loong_parallel.balance import (
     build_balancer,
 )
 from loong_parallel.config import ParallelConfig
+from loong_parallel.diffusion import DiffusionModel
 from loong_parallel.distributed import (
     DataParallel,
     DistEnv,
@@ -21,6 +22,7 @@ from loong_parallel.distributed import (
     initialize_model_parallel,
     shutdown,
 )
+from loong_parallel.embodied import EmbodiedPolicy, model_kind
 from loong_parallel.forward import lm_forward_step, masked_token_loss
 from loong_parallel.kinds import LanguageModel, ModelKind
 from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
@@ -34,12 +36,16 @@ from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
 
 __version__ = "0.1.0"
 __all__ = [
+    "model_kind",
     "LOSS_KEY",
     "BalanceConfig",
     "DPBalancer",
     "DataParallel",
     "DistEnv",
+    "DiffusionModel",
+    "EmbodiedPolicy",
     "LanguageModel",
+    "model_kind",
     "ModelKind",
     "ModelProvider",
     "NonFiniteError",

@@ -114,3 +114,4 @@ class LanguageModel:
             vision = f"; + {(m.num_parameters() - n_params) / 1e6:.2f}M image encoder + projector"
         lora = f" | LoRA rank {m.lora.rank} on {', '.join(m.lora.targets)}" if m.lora else ""
         return f"{f.family} ({n_params / 1e6:.1f}M params, {moe}{f.num_layers} layers{vision}){lora}"
+

@@ -9,7 +9,11 @@ def schedule_shape(microbatches: list[dict], key: str = "tokens") -> dict[str, i
     """megatron schedule arguments of a step: its micro-batch count and the ``[micro_batch_size,
     seq_length]`` shape the pipeline stages exchange, read from ``key`` of the first micro-batch
     (fixed rows: ``[micro_batch_size, seq_length]``; packed sequences: ``[1, capacity]``)."""
-    rows, length = microbatches[0][key].shape[:2]
+    first = microbatches[0]
+    if key not in first:  # no token rows (a diffusion model's latents): only PP=1, the shape is unused
+        rows = next(iter(first.values())).shape[0]
+        return dict(num_microbatches=len(microbatches), seq_length=1, micro_batch_size=int(rows))
+    rows, length = first[key].shape[:2]
     return dict(num_microbatches=len(microbatches), seq_length=int(length), micro_batch_size=int(rows))
 
 

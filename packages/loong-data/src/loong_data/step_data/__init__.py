@@ -14,7 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from loong_data.step_data.config import DataConfig, DataKind, MultimodalDataConfig, Packing, ThdConfig
+from loong_data.step_data.config import (
+    DataConfig,
+    DataKind,
+    LeRobotDataConfig,
+    MultimodalDataConfig,
+    Packing,
+    ThdConfig,
+)
+from loong_data.step_data.diffusion import DiffusionDataConfig, DiffusionStepData, load_diffusion_data
 from loong_data.step_data.layout import DataError, StepCounts, StepLayout, batch_digest
 from loong_data.step_data.multimodal import MultimodalStepData, PatchGeometry, load_multimodal_data
 from loong_data.step_data.text import Balancer, PackedDocuments, TextStepData, load_text_data, step_batches
@@ -46,10 +54,21 @@ def _multimodal(cfg: DataConfig, layout: StepLayout, *, is_main: bool, patches: 
     return load_multimodal_data(cfg, layout, patches, is_main=is_main)
 
 
+def _diffusion(cfg: DataConfig, layout: StepLayout, *, is_main: bool, patches: PatchGeometry | None) -> StepData:
+    return load_diffusion_data(cfg, layout, is_main=is_main, patches=patches)
+
+
+def _lerobot(cfg: DataConfig, layout: StepLayout, *, is_main: bool, patches: PatchGeometry | None) -> StepData:
+    from loong_data.step_data.lerobot import load_lerobot_data  # pyarrow only when used
+
+    return load_lerobot_data(cfg, layout)
+
+
 # One loader per data kind: a new kind is a DataKind member and a loader here (or a StepData
 # handed to the trainer directly).
 _LOADERS: dict[DataKind, Callable[..., StepData]] = {DataKind.text: _text, DataKind.chat: _text,
-                                                     DataKind.multimodal: _multimodal}  # fmt: skip
+                                                     DataKind.multimodal: _multimodal, DataKind.lerobot: _lerobot,
+                                                     DataKind.diffusion: _diffusion}  # fmt: skip
 
 
 def build_step_data(cfg: DataConfig, layout: StepLayout, *, is_main: bool = True,
@@ -64,6 +83,9 @@ __all__ = [
     "DataConfig",
     "DataError",
     "DataKind",
+    "DiffusionDataConfig",
+    "DiffusionStepData",
+    "LeRobotDataConfig",
     "MultimodalDataConfig",
     "MultimodalStepData",
     "PackedDocuments",

@@ -8,12 +8,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from loong_data.packing import Strategy
+from loong_data.step_data.diffusion import DiffusionDataConfig
 
 
 class DataKind(StrEnum):
     text = "text"  # plain text corpora (pre-training)
     chat = "chat"  # JSONL conversations through a chat template, loss on the assistant's tokens (SFT)
     multimodal = "multimodal"  # conversations with images / videos (data.multimodal.*)
+    lerobot = "lerobot"  # robot episodes in a LeRobot dataset: frames -> action chunks (data.lerobot.*)
+    diffusion = "diffusion"  # captioned images / clips as VAE latents + text embeddings (data.diffusion.*)
 
 
 class Packing(StrEnum):
@@ -79,6 +82,31 @@ class MultimodalDataConfig:
 
 
 @dataclass
+class LeRobotDataConfig:
+    """A LeRobot dataset (v3.0 or v2.1) for a policy; the model-shaped keys are set from the model
+    by the run's config (``${model.embodied.chunk_size}`` ...)."""
+
+    root: str | None = None  # the dataset folder; None = the bundled Metaworld reach-v3 episodes
+    horizon: int = 10  # action chunk length (the model's chunk_size)
+    image_size: int = 64  # cameras are resized to the model's square input
+    max_state_dim: int = 8
+    max_action_dim: int = 8
+    max_length: int = 48  # prompt tokens
+    norm_mode: str = "quantiles"  # mean_std | min_max | quantiles
+    val_episodes: int = 2  # the last episodes are held out for evaluation
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.horizon < 1 or self.image_size < 1 or self.max_length < 1:
+            errors.append("data.lerobot.horizon, image_size and max_length must be >= 1")
+        if self.norm_mode not in ("mean_std", "min_max", "quantiles"):
+            errors.append(f"data.lerobot.norm_mode={self.norm_mode!r}; allowed: mean_std, min_max, quantiles")
+        if self.val_episodes < 1:
+            errors.append(f"data.lerobot.val_episodes={self.val_episodes} must be >= 1 (evaluation needs held-out episodes)")
+        return errors
+
+
+@dataclass
 class DataConfig:
     kind: DataKind = DataKind.text  # chat with sources [] = the bundled Shakespeare QA
     # .txt files / folders of .txt / .jsonl ({"text": ...}); empty = the bundled Shakespeare corpus
@@ -90,6 +118,8 @@ class DataConfig:
     packing: Packing = Packing.fixed  # thd: no attention across documents
     thd: ThdConfig = field(default_factory=ThdConfig)
     multimodal: MultimodalDataConfig = field(default_factory=MultimodalDataConfig)
+    lerobot: LeRobotDataConfig = field(default_factory=LeRobotDataConfig)
+    diffusion: DiffusionDataConfig = field(default_factory=DiffusionDataConfig)
 
     def errors(self) -> list[str]:
         """Problems with the data keys, each naming the key (empty when fine)."""
@@ -97,11 +127,15 @@ class DataConfig:
         if self.kind == "chat" and self.packing != "fixed":
             errors.append("data.kind=chat trains one conversation per data.seq_length row: use data.packing=fixed")
         errors += self.thd.errors()
+        if self.kind == "lerobot":
+            errors += self.lerobot.errors()
         if self.kind == "multimodal":
             errors += self.multimodal.errors()
             if self.packing != "thd":
                 errors.append(f"data.packing={self.packing!r}: multimodal data is packed with cu_seqlens; "
                               "set data.packing=thd")  # fmt: skip
+        if self.kind == "diffusion":
+            errors += self.diffusion.errors()
         if not 0.0 < self.val_fraction < 1.0:
             errors.append(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         return errors

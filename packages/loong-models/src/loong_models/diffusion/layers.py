@@ -1,0 +1,197 @@
+"""The blocks of the Wan DiT on megatron-core's tensor-parallel linears and core attention.
+
+Tensors are megatron's ``[sequence, batch, hidden]``. Heads are split over tensor-parallel ranks
+(column-parallel q/k/v, row-parallel output); the q/k RMSNorm normalises over ALL heads (Wan's
+``rms_norm_across_heads``), so its sum of squares is all-reduced over the TP group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from loong_models.diffusion.config import WanConfig
+from loong_models.specs import DiTModules
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the TP group in the forward AND the backward: what follows the sum is rank-local
+    (each rank's heads), so every rank's input gets the gradient of all ranks' outputs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.clone()
+        torch.distributed.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class HeadsRMSNorm(torch.nn.Module):
+    """RMSNorm over all heads of a TP-split projection (``[..., local_heads * head_dim]``); the
+    weight is split like the heads."""
+
+    def __init__(self, global_size: int, config: TransformerConfig, eps: float) -> None:
+        super().__init__()
+        tp = mpu.get_tensor_model_parallel_world_size()
+        self.global_size, self.eps, self.tp = global_size, eps, tp
+        self.weight = torch.nn.Parameter(torch.ones(global_size // tp, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        ss = xf.pow(2).sum(-1, keepdim=True)
+        if self.tp > 1:
+            ss = _AllReduceSum.apply(ss, mpu.get_tensor_model_parallel_group())
+        y = xf * torch.rsqrt(ss / self.global_size + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets
+        )
+
+
+def _linear(cls: type, i: int, o: int, config: TransformerConfig, *, column: bool, name: str, **kw):
+    common = dict(config=config, init_method=config.init_method, bias=True, skip_bias_add=False,
+                  is_expert=False, tp_comm_buffer_name=name)  # fmt: skip
+    if column:
+        return cls(i, o, gather_output=kw.get("gather_output", False), **common)
+    return cls(i, o, input_is_parallel=True, **{**common, "init_method": config.output_layer_init_method})
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs (Wan / diffusers layout). x: [s, b, h, d]; cos, sin:
+    [s, 1, 1, d/2] in float."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class WanAttention(MegatronModule):
+    """Self-attention (fused per-head q/k/v, 3-D RoPE) or cross-attention to the text (plus the
+    CLIP image tokens of Wan2.1 I2V, attended separately and summed, as Wan does)."""
+
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, layer: int, *, cross: bool):
+        super().__init__(config=config)
+        d, tp = cfg.dim, mpu.get_tensor_model_parallel_world_size()
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"model.diffusion.num_attention_heads={cfg.num_attention_heads} is not divisible "
+                             f"by the tensor-parallel size {tp}")  # fmt: skip
+        self.cross, self.heads, self.head_dim = cross, cfg.num_attention_heads // tp, cfg.attention_head_dim
+        col = lambda o, n: _linear(mods.column_linear, d, o, config, column=True, name=n)  # noqa: E731
+        if cross:
+            self.linear_q, self.linear_k, self.linear_v = col(d, "q"), col(d, "k"), col(d, "v")
+        else:
+            self.linear_qkv = col(3 * d, "qkv")  # per head [q; k; v] (megatron's layout, one group per head)
+        self.q_norm = HeadsRMSNorm(d, config, cfg.eps)
+        self.k_norm = HeadsRMSNorm(d, config, cfg.eps)
+        kind = "cross" if cross else "self"
+        self.core_attention = mods.core_attention(
+            config=config, layer_number=layer, attn_mask_type=AttnMaskType.no_mask, attention_type=kind
+        )
+        if cross and cfg.image_dim is not None:
+            self.linear_k_img, self.linear_v_img = col(d, "k_img"), col(d, "v_img")
+            self.k_img_norm = HeadsRMSNorm(d, config, cfg.eps)
+        self.linear_proj = _linear(mods.row_linear, d, d, config, column=False, name="proj")
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.heads, self.head_dim))
+
+    def forward(self, x, context=None, rope=None, image=None) -> torch.Tensor:
+        if self.cross:
+            q, k, v = self.linear_q(x)[0], self.linear_k(context)[0], self.linear_v(context)[0]
+        else:
+            qkv = self.linear_qkv(x)[0].unflatten(-1, (self.heads, 3, self.head_dim))
+            q, k, v = (t.flatten(-2) for t in qkv.unbind(-2))
+        q, k, v = self._heads(self.q_norm(q)), self._heads(self.k_norm(k)), self._heads(v)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = self.core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+        if image is not None:
+            ki = self._heads(self.k_img_norm(self.linear_k_img(image)[0]))
+            vi = self._heads(self.linear_v_img(image)[0])
+            out = out + self.core_attention(q, ki, vi, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+        return self.linear_proj(out)[0]
+
+
+class WanMLP(MegatronModule):
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules) -> None:
+        super().__init__(config=config)
+        self.linear_fc1 = _linear(mods.column_linear, cfg.dim, cfg.ffn_dim, config, column=True, name="fc1")
+        self.linear_fc2 = _linear(mods.row_linear, cfg.ffn_dim, cfg.dim, config, column=False, name="fc2")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)[0], approximate="tanh"))[0]
+
+
+def layer_norm(x: torch.Tensor, eps: float, norm: torch.nn.LayerNorm | None = None) -> torch.Tensor:
+    """LayerNorm in fp32 (Wan's FP32LayerNorm), affine when ``norm`` is given."""
+    w, b = (norm.weight.float(), norm.bias.float()) if norm is not None else (None, None)
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
+
+
+class WanLayer(MegatronModule):
+    """One Wan block: modulated self-attention, cross-attention, modulated FFN, each a gated
+    (or plain, for cross-attention) residual. ``modulation`` is the learned [1, 6, dim] table
+    added to the timestep projection (shift, scale, gate for attention; the same for the FFN)."""
+
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, layer: int) -> None:
+        super().__init__(config=config)
+        self.eps = cfg.eps
+        self.self_attention = WanAttention(cfg, config, mods, layer, cross=False)
+        self.cross_attention = WanAttention(cfg, config, mods, layer, cross=True)
+        self.cross_norm = (
+            torch.nn.LayerNorm(cfg.dim, eps=cfg.eps, dtype=config.params_dtype) if cfg.cross_attn_norm else None
+        )
+        self.mlp = WanMLP(cfg, config, mods)
+        self.modulation = torch.nn.Parameter(torch.randn(1, 6, cfg.dim, dtype=config.params_dtype) / cfg.dim**0.5)
+
+    def forward(self, x, context, temb, cos, sin, image=None) -> torch.Tensor:
+        """x [s, b, d]; temb [s or 1, b, 6, d] (fp32); cos, sin: RoPE; context [t, b, d]."""
+        rope = (cos, sin)
+        shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.float() + temb).unbind(-2)
+        h = (layer_norm(x, self.eps) * (1 + scale) + shift).to(x.dtype)
+        x = (x.float() + self.self_attention(h, rope=rope).float() * gate).to(x.dtype)
+        h = (layer_norm(x, self.eps, self.cross_norm) if self.cross_norm is not None else x).to(x.dtype)
+        x = x + self.cross_attention(h, context=context, image=image)
+        h = (layer_norm(x, self.eps) * (1 + c_scale) + c_shift).to(x.dtype)
+        return (x.float() + self.mlp(h).float() * c_gate).to(x.dtype)
+
+
+class WanDecoder(MegatronModule):
+    """The stack of layers, ``layers.<i>`` in checkpoints (indexed keys), with optional full
+    recompute of each layer in the backward."""
+
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules) -> None:
+        super().__init__(config=config)
+        self.recompute = cfg.recompute == "full"
+        self.layers = torch.nn.ModuleList(WanLayer(cfg, config, mods, i + 1) for i in range(cfg.num_layers))
+
+    def forward(self, x, context, temb, rope, image=None) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+
+        for layer in self.layers:
+            if self.recompute and self.training:
+                x = tensor_parallel.checkpoint(layer, False, x, context, temb, *rope, image)
+            else:
+                x = layer(x, context, temb, *rope, image)
+        return x
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        out = {}
+        for i, layer in enumerate(self.layers):
+            out.update(layer.sharded_state_dict(f"{prefix}layers.{i}.", sharded_offsets, metadata))
+        return out

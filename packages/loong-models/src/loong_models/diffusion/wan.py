@@ -1,0 +1,130 @@
+"""The Wan 2.x DiT as a megatron-core module: patchify -> layers -> modulated head -> unpatchify.
+
+``forward(latents [b, c, f, h, w], timestep [b] or [b, tokens], context [b, text_len, text_dim],
+image [b, image_len, image_dim] | None) -> [b, out_channels, f, h, w]`` (the flow's velocity).
+All samples of a micro-batch share one latent shape (batch by resolution).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loong_models.diffusion.config import WanConfig
+from loong_models.diffusion.embeddings import rope_3d, timestep_features
+from loong_models.diffusion.layers import WanDecoder, _linear, layer_norm
+from loong_models.specs import dit_modules, fusion_fields
+
+# What a component takes over from the runtime's TransformerConfig (precision, initialisation).
+RUNTIME_FIELDS = ("params_dtype", "pipeline_dtype", "bf16", "fp16", "use_cpu_initialization",
+                  "perform_initialization", "deterministic_mode", "calculate_per_token_loss")  # fmt: skip
+
+
+def build_wan_transformer_config(
+    cfg: WanConfig, base: TransformerConfig, *, tensor_model_parallel_size: int, backend: str
+) -> TransformerConfig:
+    """Wan's own TransformerConfig: its sizes + the runtime's precision and init, its TP size."""
+    cfg.validate()
+    fields: dict[str, Any] = {k: getattr(base, k) for k in RUNTIME_FIELDS}
+    fields.update(fusion_fields(backend), apply_rope_fusion=False, bias_activation_fusion=False)
+    fields.update(
+        num_layers=cfg.num_layers, hidden_size=cfg.dim, ffn_hidden_size=cfg.ffn_dim,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_attention_heads,
+        kv_channels=cfg.attention_head_dim, layernorm_epsilon=cfg.eps, add_bias_linear=True,
+        init_method_std=cfg.init_method_std, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=1,
+        sequence_parallel=False,
+    )  # fmt: skip
+    return TransformerConfig(**{**fields, **cfg.extra})
+
+
+class _TwoLayerMLP(MegatronModule):
+    """Column-parallel linear, activation, row-parallel linear (text / CLIP-image projections)."""
+
+    def __init__(self, i: int, o: int, config: TransformerConfig, mods, act) -> None:
+        super().__init__(config=config)
+        self.linear_fc1 = _linear(mods.column_linear, i, o if act != "gelu" else i, config, column=True, name="fc1")
+        self.linear_fc2 = _linear(mods.row_linear, o if act != "gelu" else i, o, config, column=False, name="fc2")
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)[0]
+        h = F.gelu(h, approximate="tanh") if self.act == "gelu_tanh" else F.gelu(h)
+        return self.linear_fc2(h)[0]
+
+
+class WanModel(MegatronModule):
+    """Modules (checkpoint keys): ``patch_embedding`` (Conv3d), ``time_embedding.linear_1/2``,
+    ``time_projection``, ``text_embedding.linear_fc1/2``, ``image_embedding`` (I2V),
+    ``decoder.layers.<i>.*``, ``head.modulation``, ``head.linear``."""
+
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, *, layer_backend: str) -> None:
+        super().__init__(config=config)
+        cfg.validate()
+        self.cfg = cfg
+        self.model_type = ModelType.encoder_or_decoder  # megatron's schedules ask
+        mods = dit_modules(layer_backend)
+        d, dt = cfg.dim, config.params_dtype
+        self.patch_embedding = torch.nn.Conv3d(cfg.in_channels, d, cfg.patch_size, cfg.patch_size, dtype=dt)
+        self.time_embedding = torch.nn.ModuleDict({
+            "linear_1": torch.nn.Linear(cfg.freq_dim, d, dtype=dt), "linear_2": torch.nn.Linear(d, d, dtype=dt)})  # fmt: skip
+        self.time_projection = _linear(mods.column_linear, d, 6 * d, config, column=True, name="tproj", gather_output=True)
+        self.text_embedding = _TwoLayerMLP(cfg.text_dim, d, config, mods, "gelu_tanh")
+        if cfg.image_dim is not None:
+            self.image_norm1 = torch.nn.LayerNorm(cfg.image_dim, dtype=dt)
+            self.image_embedding = _TwoLayerMLP(cfg.image_dim, d, config, mods, "gelu")
+            self.image_norm2 = torch.nn.LayerNorm(d, dtype=dt)
+        self.decoder = WanDecoder(cfg, config, mods)
+        self.head = torch.nn.Module()
+        self.head.modulation = torch.nn.Parameter(torch.randn(1, 2, d, dtype=dt) / d**0.5)
+        self.head.linear = torch.nn.Linear(d, cfg.out_channels * cfg.patch_volume, dtype=dt)
+        if config.perform_initialization:
+            for lin in (self.time_embedding["linear_1"], self.time_embedding["linear_2"], self.head.linear):
+                config.init_method(lin.weight)
+                torch.nn.init.zeros_(lin.bias)
+
+    def set_input_tensor(self, input_tensor) -> None:  # one pipeline stage: nothing comes in
+        pass
+
+    def grid(self, latents: torch.Tensor) -> tuple[int, int, int]:
+        (pf, ph, pw), (_, c, f, h, w) = self.cfg.patch_size, latents.shape
+        if c != self.cfg.in_channels or f % pf or h % ph or w % pw:
+            raise ValueError(f"latents of shape {tuple(latents.shape)}: expected {self.cfg.in_channels} channels "
+                             f"and frames/height/width divisible by patch_size {list(self.cfg.patch_size)}")  # fmt: skip
+        return f // pf, h // ph, w // pw
+
+    def embed_time(self, timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(temb [b, (tokens,) d], its 6-way modulation [.., 6, d]), both fp32."""
+        e = timestep_features(timestep, self.cfg.freq_dim).to(self.time_embedding["linear_1"].weight.dtype)
+        e = self.time_embedding["linear_2"](F.silu(self.time_embedding["linear_1"](e)))
+        proj = self.time_projection(F.silu(e))[0]
+        return e.float(), proj.float().unflatten(-1, (6, self.cfg.dim))
+
+    def forward(self, latents, timestep, context, image=None) -> torch.Tensor:
+        cfg = self.cfg
+        grid = self.grid(latents)
+        b = latents.shape[0]
+        x = self.patch_embedding(latents).flatten(2).permute(2, 0, 1)  # [s, b, d]
+        temb, tmod = self.embed_time(timestep)
+        # per sample [b, d] -> [1, b, ...]; per token (Wan2.2 TI2V) [b, s, d] -> [s, b, ...]
+        temb, tmod = (temb[None], tmod[None]) if timestep.dim() == 1 else (temb.transpose(0, 1), tmod.transpose(0, 1))
+        ctx = self.text_embedding(context.transpose(0, 1).to(x.dtype))
+        img = None
+        if image is not None:
+            img = self.image_embedding(layer_norm(image.transpose(0, 1), 1e-5, self.image_norm1).to(x.dtype))
+            img = layer_norm(img, 1e-5, self.image_norm2).to(x.dtype)
+        rope = rope_3d(grid, cfg.rope_split, cfg.rope_theta, x.device)
+        x = self.decoder(x, ctx, tmod, rope, img)
+        shift, scale = (self.head.modulation.float() + temb[..., None, :]).unbind(-2)
+        x = self.head.linear((layer_norm(x, cfg.eps) * (1 + scale) + shift).to(x.dtype))
+        return self._unpatchify(x, b, grid)
+
+    def _unpatchify(self, x: torch.Tensor, b: int, grid: tuple[int, int, int]) -> torch.Tensor:
+        (pf, ph, pw), (f, h, w) = self.cfg.patch_size, grid
+        x = x.transpose(0, 1).reshape(b, f, h, w, pf, ph, pw, -1)
+        return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, -1, f * pf, h * ph, w * pw)

@@ -1,0 +1,50 @@
+"""Pi0.5's structure: parameter counts without building, the prefix never seeing the actions, the
+flow-matching pieces, and config errors that name the key."""
+
+import pytest
+import torch
+
+from loong_models import load_model_config
+from loong_models.embodied import Pi05Policy
+from loong_models.embodied.pi05 import attention_mask, sample_time
+
+TINY = load_model_config("pi05-tiny").embodied
+
+
+def test_parameter_counts_match_what_gets_built_tiny_and_full_shape():
+    assert TINY.num_parameters() == sum(p.numel() for p in Pi05Policy(TINY).parameters())
+    full = load_model_config("pi05")
+    with torch.device("meta"):
+        built = sum(p.numel() for p in Pi05Policy(full.embodied).parameters())
+    assert full.num_parameters() == built == 3_353_433_872
+
+
+def test_prefix_attends_bidirectionally_and_never_to_the_actions():
+    pad = torch.tensor([[True, True, False, True, True]])
+    starts = torch.tensor([[False, False, False, True, False]])  # prefix of 3 (one padded), 2 actions
+    m = attention_mask(pad, starts)[0]
+    assert m[0, 1] and m[1, 0]  # prefix <-> prefix
+    assert not m[0, 3] and not m[1, 4]  # prefix -/-> actions
+    assert m[3, 0] and m[4, 3] and m[3, 4]  # actions -> prefix and each other
+    assert not m[:, 2].any() and not m[2].any()  # the padded token is invisible and sees nothing
+
+
+def test_training_times_follow_the_squeezed_beta():
+    t = sample_time(TINY, 20000, torch.Generator().manual_seed(0))
+    assert t.min() >= 0.001 and t.max() <= 1.0
+    assert t.mean().item() == pytest.approx(0.001 + 0.999 * 1.5 / 2.5, abs=0.01)  # Beta(1.5, 1) mean 0.6
+
+
+def test_a_sample_draws_the_same_noise_whatever_batch_holds_it():
+    policy = Pi05Policy(TINY)
+    actions = torch.zeros(3, TINY.chunk_size, TINY.max_action_dim)
+    n3, t3 = policy.draw_noise_and_time({"actions": actions, "sample_ids": torch.tensor([5, 6, 7])})
+    n1, t1 = policy.draw_noise_and_time({"actions": actions[:1], "sample_ids": torch.tensor([6])})
+    assert torch.equal(n3[1], n1[0]) and torch.equal(t3[1], t1[0])
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(
+        ValueError, match="model.embodied.expert.head_dim=32 must equal model.embodied.vlm.head_dim=16"
+    ):
+        load_model_config("pi05-tiny", ["embodied.expert.head_dim=32"])
