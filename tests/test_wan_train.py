@@ -43,7 +43,7 @@ def test_wan_job_learns_resumes_and_samples(run_wan, data_cache, tmp_path):
 
     shutil.copytree(full.out_dir / "checkpoints" / "step_00000020", part / "checkpoints" / "step_00000020")
     (part / "checkpoints" / "latest").write_text("step_00000020\n")
-    resumed = run_wan(["train.steps=25", "resume=true"], name="part", timeout=900).check()
+    resumed = run_wan(["train.steps=25", "resume=true", "train.resume_schedule=keep"], name="part", timeout=900).check()
     again = resumed.losses()
     assert sorted(again) == list(range(21, 26))
     assert all(abs(again[s] - losses[s]) < 1e-5 for s in again), (again, losses)
