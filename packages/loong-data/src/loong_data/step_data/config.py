@@ -132,7 +132,7 @@ class DataConfig:
         if self.kind == "multimodal":
             errors += self.multimodal.errors()
             if self.packing != "thd":
-                errors.append(f"data.packing={self.packing!r}: multimodal data is packed with cu_seqlens; "
+                errors.append(f"data.packing='{self.packing}': multimodal data is packed with cu_seqlens; "
                               "set data.packing=thd")  # fmt: skip
         if self.kind == "diffusion":
             errors += self.diffusion.errors()
