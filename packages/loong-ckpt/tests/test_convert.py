@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -108,10 +109,7 @@ def test_moe_variants_match_hf(family, variant, tmp_path):
 
 def _without_hf_config(src: Path, ckpt: Path) -> Path:
     """A copy of checkpoint ``src`` whose loong.json records no source HF config.json."""
-    ckpt.mkdir()
-    for f in src.iterdir():
-        if f.is_file():
-            (ckpt / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(src, ckpt)  # configs/ too: loong.json's hashes list every file
     meta = json.loads((src / "loong.json").read_text())
     del meta["hf_config"]
     (ckpt / "loong.json").write_text(json.dumps(meta))
@@ -160,6 +158,7 @@ def test_checkpoint_with_the_other_specs_names_loads(converted, tmp_path):
     load_checkpoint and mcore-to-hf both find them through the mapping's aliases."""
     from loong_ckpt import mcore_to_hf
     from loong_ckpt.families import key_aliases
+    from loong_ckpt.integrity import hash_files, listed_files
     from loong_ckpt.mapping import layer_key, rule_key
     from loong_ckpt.mcore_io import Chunk, read_metadata, read_regions, write_checkpoint
 
@@ -183,7 +182,9 @@ def test_checkpoint_with_the_other_specs_names_loads(converted, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     write_checkpoint(ckpt, chunks, [], compute)
-    (ckpt / "loong.json").write_text((c.ckpt / "loong.json").read_text())
+    meta = json.loads((c.ckpt / "loong.json").read_text())
+    meta["files"] = hash_files(ckpt, listed_files(ckpt, "loong.json"))  # the renamed shards' own hashes
+    (ckpt / "loong.json").write_text(json.dumps(meta))
     assert (logits_in_process(ckpt, c.tokens) - c.ref).abs().max().item() <= TOL
     mcore_to_hf(ckpt, tmp_path / "hf", progress=False)
     a, b = _hf_tensors(c.hf), _hf_tensors(tmp_path / "hf")

@@ -105,7 +105,7 @@ def _validate_packages(cfg: Config, world_size: int) -> None:
 def _cross_package_errors(cfg: Config) -> list[str]:
     f, d, p = cfg.model.foundation, cfg.data, cfg.parallel
     errors = []
-    inside_moe = {"expert_fc1", "moe_act"} & set(p.offload_activations)
+    inside_moe = {"expert_fc1", "moe_act"} & {str(m) for m in p.offload_activations}
     if inside_moe and "moe" in (f.recompute_modules or []):
         errors.append(f"parallel.offload_activations {sorted(inside_moe)} lie inside the MoE layer that "
                       "model.foundation.recompute_modules=[moe] recomputes; drop one of them (megatron's rule)")  # fmt: skip
