@@ -39,6 +39,7 @@ from loong_ckpt.diffusion import (
     is_diffusion_checkpoint,
     mcore_to_diffusers,
 )
+from loong_ckpt.fp8_blocks import BlockWriter, quantization_config
 from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
 from loong_ckpt.integrity import check_files, hash_files, listed_files
@@ -312,10 +313,12 @@ def mcore_to_hf(
     force: bool = False,
     progress: bool = True,
     max_shard_bytes: int = 2 * 2**30,
+    fp8_blocks: tuple[int, int] | None = None,
 ) -> ConvertResult:
     """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``.
     A LoRA checkpoint (adapters only) is merged into the base weights it names (``W + s * B @ A``):
-    the output is a plain model."""
+    the output is a plain model. ``fp8_blocks`` (rows, cols) writes the decoder's projection
+    weights FP8 block-quantised, as DeepSeek-V3's release (fp8_blocks.py)."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     check_output_dir(out, force)
@@ -340,7 +343,10 @@ def mcore_to_hf(
     merge = _LoraMerge(src, lora) if lora else None
     tok_src = tokenizer or base
     with atomic_output_dir(out, force) as tmp:
-        writer = SafetensorsWriter(tmp, plan, max_shard_bytes)
+        def make_writer(p: list) -> SafetensorsWriter:
+            return SafetensorsWriter(tmp, p, max_shard_bytes)
+
+        writer = BlockWriter(make_writer, plan, fp8_blocks) if fp8_blocks else make_writer(plan)
         bar = tqdm(total=len(plan), unit="tensor", desc="mcore-to-hf", disable=not progress)
         try:
             # One read per group: the non-layer tensors, each layer's own tensors, each of its experts.
@@ -360,6 +366,8 @@ def mcore_to_hf(
         if merge:
             merge.check_all_merged()
         hf_cfg = model_to_hf(model_cfg, final_dtype, meta.get("hf_config"))
+        if fp8_blocks:
+            hf_cfg["quantization_config"] = quantization_config(fp8_blocks)
         copy_tokenizer_files(tok_src, tmp)
         _write_atomic(tmp / CONFIG_FILE, json.dumps(hf_cfg, indent=2) + "\n")
     res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(plan))
