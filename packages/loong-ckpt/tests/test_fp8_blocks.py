@@ -146,3 +146,15 @@ def test_a_malformed_fp8_block_option_is_refused_naming_it():
     assert parse_block("128") == (128, 128) and parse_block("64,128") == (64, 128)
     with pytest.raises(ConversionError, match=r"--fp8-blocks='128x128'; expected a block size such as 128"):
         parse_block("128x128")
+
+
+def test_the_online_load_of_an_fp8_checkpoint_gives_the_logits_of_the_dequantised_hf_model(tmp_path):
+    from loong_ckpt.testing import logits_in_process
+    from loong_ckpt.testing.hf_models import hf_logits
+
+    _quantised_copy(make_hf_model(tmp_path / "hf", "deepseek-v3"), tmp_path / "fp8", tmp_path / "deq")
+    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    got = logits_in_process(tmp_path / "fp8", tmp_path / "tokens.pt")  # train.init_from=<HF dir>'s loader
+    torch.testing.assert_close(got, hf_logits(tmp_path / "deq", tokens), atol=2e-4, rtol=1e-4)
+    assert (got - hf_logits(tmp_path / "hf", tokens)).abs().max() > 1e-4  # FP8 did change the weights
