@@ -39,6 +39,7 @@ from loong_ckpt.diffusion import (
     is_diffusion_checkpoint,
     mcore_to_diffusers,
 )
+from loong_ckpt.families import mtp_copies
 from loong_ckpt.fp8_blocks import BlockWriter, quantization_config
 from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
@@ -153,13 +154,13 @@ def plan_units(rules: list[Rule], cfg: FoundationConfig, keys: Collection[str], 
 
 def check_hf_extras(reader: HFReader, cfg: FoundationConfig) -> None:
     """HF tensors that this mapping would silently drop but that carry model behaviour."""
+    layers = cfg.num_layers + (cfg.mtp_num_layers or 0)  # MTP layers follow the decoder's in HF
     beyond = sorted(n for n in reader.tensors
-                    if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= cfg.num_layers)  # fmt: skip
+                    if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= layers)  # fmt: skip
     if beyond:
         raise ConversionError(
-            f"{reader.path}: {len(beyond)} tensors belong to layers beyond num_hidden_layers={cfg.num_layers} "
-            f"(e.g. {beyond[0]}): multi-token-prediction (MTP) layers are not supported; "
-            "remove them (and set num_nextn_predict_layers=0) to convert the main model"
+            f"{reader.path}: {len(beyond)} tensors belong to layers beyond num_hidden_layers={cfg.num_layers} + "
+            f"num_nextn_predict_layers={cfg.mtp_num_layers or 0} (e.g. {beyond[0]})"
         )
     if fused := sorted(
         n for n in reader.tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
@@ -208,6 +209,7 @@ def hf_to_mcore(src: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, e
                     f"has shape {got}, the config implies {expected} (megatron key {u.key})"
                 )
             used.add(hf_name)
+    used |= _check_mtp_copies(reader, cfg)
     unused = sorted(set(reader.tensors) - used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     if unused:
         logger.warning("%d HF tensors are not converted: %s", len(unused), ", ".join(unused[:8]))
@@ -265,6 +267,31 @@ def hf_to_mcore(src: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, e
         "wrote %s (%d tensors, %.1fs, peak RSS %.0f MiB)", out, len(chunks), res.seconds, res.peak_rss_mib
     )
     return res
+
+
+def _check_mtp_copies(reader: HFReader, cfg: FoundationConfig) -> set[str]:
+    """The MTP layers' copies of the embedding and head (megatron shares the main ones): present
+    and equal to what they copy, else the conversion would change the model."""
+    for copy, src in mtp_copies(cfg).items():
+        if copy not in reader:
+            raise ConversionError(f"{reader.path}: tensor {copy} (the MTP layer's copy of {src}) is missing")
+        if not torch.equal(reader.read(copy), reader.read(src)):
+            raise ConversionError(f"{reader.path}: {copy} differs from {src}; megatron's MTP layers share the "
+                                  "main model's embedding and output head, so it cannot be converted")  # fmt: skip
+    return set(mtp_copies(cfg))
+
+
+def _copies_by_source(cfg: FoundationConfig) -> dict[str, list[str]]:
+    """HF tensor -> the HF tensors written as its copies (the MTP layers' embedding and head)."""
+    of: dict[str, list[str]] = {}
+    for copy, src in mtp_copies(cfg).items():
+        of.setdefault(src, []).append(copy)
+    return of
+
+
+def _with_copies(plan: list, copies: dict[str, list[str]]) -> list:
+    """The HF write plan (name, shape, dtype) with each copy right after the tensor it copies."""
+    return [e for entry in plan for e in (entry, *((c, *entry[1:]) for c in copies.get(entry[0], ())))]
 
 
 def _check_rules_cover(tensors: dict[str, tuple[int, ...]], plan: list[Unit], family: str) -> None:
@@ -346,6 +373,8 @@ def mcore_to_hf(
         def make_writer(p: list) -> SafetensorsWriter:
             return SafetensorsWriter(tmp, p, max_shard_bytes)
 
+        copies = _copies_by_source(cfg)
+        plan = _with_copies(plan, copies)
         writer = BlockWriter(make_writer, plan, fp8_blocks) if fp8_blocks else make_writer(plan)
         bar = tqdm(total=len(plan), unit="tensor", desc="mcore-to-hf", disable=not progress)
         try:
@@ -357,7 +386,8 @@ def mcore_to_hf(
                 for u in group:
                     keep = u.rule.dtype is not None or out_dtype is None
                     for n, t in zip(u.rule.hf_names(u.layer, u.expert), u.rule.to_hf(buffers[u.key], cfg)):
-                        writer.write(n, t if keep else t.to(out_dtype))
+                        for name in (n, *copies.get(n, ())):
+                            writer.write(name, t if keep else t.to(out_dtype))
                         bar.update(1)
             writer.close()
         finally:

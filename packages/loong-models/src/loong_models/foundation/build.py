@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from loong_models.foundation.config import FoundationConfig
 from loong_models.foundation.families import get_family
-from loong_models.specs import decoder_block_spec
+from loong_models.specs import decoder_block_spec, mtp_block_spec
 
 
 def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> TransformerConfig:
@@ -51,6 +51,8 @@ def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> Transform
             arch.update(recompute_modules=list(cfg.recompute_modules))
     if cfg.moe is not None:
         arch.update(moe_fields(cfg))
+    if cfg.mtp_num_layers is not None:
+        arch.update(mtp_num_layers=cfg.mtp_num_layers, mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor)
     if "moe_act" in (cfg.recompute_modules or []) and not runtime.get("moe_grouped_gemm"):
         # megatron recomputes the expert activation only inside its grouped-GEMM experts
         raise ValueError(
@@ -151,9 +153,11 @@ def build_foundation(
     ``scatter_embedding_sequence_parallel=False``: the embedding leaves the sequence whole under
     sequence parallelism (a VLM writes image features into it first, then scatters)."""
     rs = cfg.rope_scaling
+    block = decoder_block_spec(config, backend=layer_backend, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, backend=layer_backend, vp_stage=vp_stage),
+        transformer_layer_spec=block,
+        mtp_block_spec=mtp_block_spec(config, block, backend=layer_backend, vp_stage=vp_stage),
         vocab_size=cfg.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
