@@ -63,3 +63,14 @@ def test_bad_mtp_settings_are_refused_naming_the_key(key, value, message):
     f = dataclasses.replace(load_model_config("deepseek-v3-tiny").foundation, **{key: value})
     with pytest.raises(ValueError, match=message):
         f.validate()
+
+
+def test_chunkpipe_refuses_a_model_with_mtp_layers_naming_the_key(megatron_cpu):
+    from loong_models.chunked import enable_chunkpipe
+
+    f = dataclasses.replace(load_model_config("tiny").foundation, mtp_num_layers=1)  # MTP on a GQA model too
+    model = _build(f)
+    assert len(model.mtp.layers) == 1
+    with pytest.raises(ValueError, match=r"ChunkPipe does not support multi-token prediction; set "
+                                         r"model.foundation.mtp_num_layers=null"):  # fmt: skip
+        enable_chunkpipe(model)

@@ -160,7 +160,8 @@ def check_hf_extras(reader: HFReader, cfg: FoundationConfig) -> None:
     if beyond:
         raise ConversionError(
             f"{reader.path}: {len(beyond)} tensors belong to layers beyond num_hidden_layers={cfg.num_layers} + "
-            f"num_nextn_predict_layers={cfg.mtp_num_layers or 0} (e.g. {beyond[0]})"
+            f"num_nextn_predict_layers={cfg.mtp_num_layers or 0} (e.g. {beyond[0]}); if they are multi-token-"
+            "prediction (MTP) layers, set num_nextn_predict_layers in config.json"
         )
     if fused := sorted(
         n for n in reader.tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
