@@ -37,6 +37,7 @@ from loong_parallel import (
     initialize_model_parallel,
     microbatch_iterators,
     model_kind,
+    require_features,
     rng_state,
     schedule_shape,
     seed_everything,
@@ -44,11 +45,10 @@ from loong_parallel import (
     shutdown,
     train_step,
 )
-from loong_train.capabilities import check_features
 from loong_train.log import logger
 from loong_train.metrics import MetricsWriter, StepWindow, progress_bar
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
-from loong_xpu import get_accelerator, redirect_cuda
+from loong_xpu import UnsupportedFeatureError, get_accelerator, redirect_cuda
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -104,7 +104,10 @@ class Trainer:
         """Devices and process groups, data, model chunks, optimizer, metrics."""
         cfg, t = self.cfg, self.cfg.train
         self.accel = get_accelerator(None if t.device == "auto" else t.device)
-        check_features(cfg, self.accel)  # capabilities.py: e.g. layer_backend=te on a backend without TE
+        try:  # e.g. layer_backend=te on a backend without TE: refused before anything is built
+            require_features(cfg.model, cfg.parallel, self.accel)
+        except UnsupportedFeatureError as e:
+            raise ConfigError(str(e)) from None
         self._exit.enter_context(redirect_cuda(self.accel))
         owns_process_group = not dist.is_initialized()
         env = init_distributed(self.accel)

@@ -12,6 +12,7 @@ from loong_parallel.balance import (
     TrainBalancer,
     build_balancer,
 )
+from loong_parallel.capabilities import require_features
 from loong_parallel.config import ParallelConfig
 from loong_parallel.diffusion import DiffusionModel
 from loong_parallel.distributed import (
@@ -67,6 +68,7 @@ __all__ = [
     "lm_forward_step",
     "masked_token_loss",
     "microbatch_iterators",
+    "require_features",
     "rng_state",
     "runtime_transformer_fields",
     "schedule_shape",
