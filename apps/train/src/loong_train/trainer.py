@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from loong_ckpt.online import export_hf
 from loong_ckpt.restore import RestoreError, restore, run_meta
+from loong_ckpt.run_metrics import MetricsWriter
 from loong_ckpt.training import save_checkpoint
 from loong_data.step_data import StepCounts, StepData, StepLayout, build_step_data
 from loong_parallel import (
@@ -28,6 +30,7 @@ from loong_parallel import (
     ModelKind,
     NonFiniteGuard,
     StepResult,
+    StepWindow,
     build_balancer,
     build_model_chunks,
     build_optimizer,
@@ -46,7 +49,6 @@ from loong_parallel import (
     train_step,
 )
 from loong_train.log import logger
-from loong_train.metrics import MetricsWriter, StepWindow, progress_bar
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
 from loong_xpu import UnsupportedFeatureError, get_accelerator, redirect_cuda
 
@@ -190,7 +192,8 @@ class Trainer:
                                      resume_step=self.start_step)  # fmt: skip
         self._exit.callback(self.metrics.close)
         self.summary = RunSummary(metrics_file=self.metrics.path, tensorboard_dir=self.metrics.tb_dir if t.tensorboard else None)
-        self.bar = progress_bar(t.steps, self.start_step, enabled=self.is_main and t.progress)
+        self.bar = tqdm(total=t.steps, initial=self.start_step, disable=not (self.is_main and t.progress), unit="step",
+                        dynamic_ncols=True, desc="train")  # fmt: skip
         self._exit.callback(self.bar.close)
         self.window = StepWindow()
         self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from, config=self.cfg,

@@ -34,6 +34,7 @@ from loong_parallel.rng import rng_state, seed_everything, set_rng_state
 from loong_parallel.runtime import runtime_transformer_fields
 from loong_parallel.schedule import microbatch_iterators, schedule_shape
 from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
+from loong_parallel.step_window import StepWindow
 
 __version__ = "0.1.0"
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "QuadraticCost",
     "RouterStats",
     "StepResult",
+    "StepWindow",
     "TrainBalancer",
     "build_balancer",
     "build_model_chunks",
