@@ -54,3 +54,12 @@ def test_the_train_app_does_not_import_megatron():
     offenders = [f"{p.relative_to(ROOT)}: {m}" for p in _sources("apps/train/src") for m in imported_modules(p)
                  if m.split(".")[0] == "megatron"]  # fmt: skip
     assert not offenders, f"megatron is loong-parallel's / loong-models' business, not the app's: {offenders}"
+
+
+def test_package_sources_find_their_files_without_the_repository_layout():
+    """An installed wheel has no repository around it: a package finds its bundled files through
+    the one module that names them and another package's through that package (e.g.
+    ``loong_data.bundled``), never by climbing up from ``__file__``."""
+    offenders = [f"{p.relative_to(ROOT)}:{i}" for p in _sources("packages", "apps") if "src" in p.parts
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if "__file__).parents[" in line.replace(".resolve()", "")]  # fmt: skip
+    assert not offenders, f"repository-relative lookups (use the owning package's path): {offenders}"
