@@ -170,11 +170,11 @@ def vlm_inputs(image: Path = IMAGE, seed: int = 1, patch_size: int = 14) -> dict
 def hf_vlm_logits(path: Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     import transformers
 
-    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]  # Qwen2.5-VL or Qwen3-VL
-    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32)
+    config = json.loads((Path(path) / "config.json").read_text())
+    model = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.float32)  # 2.5 / 3
     model.eval()
     ids = inputs["input_ids"]
     # mm_token_type_ids (as the HF processor returns them) make transformers use the 3-D positions
-    types = (ids == VLM_TOKENS["image_token_id"]).long()
+    types = (ids == config["image_token_id"]).long()
     with torch.no_grad():
         return model(**inputs, mm_token_type_ids=types).logits
