@@ -17,9 +17,17 @@ import torch
 
 from loong_ckpt.composed import ComponentMapping, ModelMapping
 from loong_ckpt.families import get_mapping
-from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture, same_value, to_hf_config
+from loong_ckpt.hf_config import ConversionError, from_hf_config
 from loong_ckpt.mapping import Rule, Split
-from loong_ckpt.vlm import _TOKEN_IDS, PackedQKVRule, _encoder_shapes, _mrope_section, _projector_shapes
+from loong_ckpt.vlm import (
+    _TOKEN_IDS,
+    PackedQKVRule,
+    _encoder_shapes,
+    _mrope_section,
+    _projector_shapes,
+    composed_hf_config,
+    same_composed,
+)
 
 ENCODER_TYPE = "qwen3-vit"
 _L = "decoder.layers."
@@ -152,16 +160,9 @@ def qwen3_vl_from_hf(hf: dict[str, Any], source: str = "config.json") -> Any:
 def qwen3_vl_to_hf(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
     """Loong ModelConfig -> config.json that transformers reads as Qwen3-VL."""
     f, e = cfg.foundation, cfg.image_encoder
-    plain = dataclasses.replace(f, mrope_section=None, mrope_interleaved=False)
-    text = to_hf_config(plain, dtype)
-    for key in ("architectures", "dtype", "tie_word_embeddings"):
-        text.pop(key)
-    text["model_type"] = "qwen3_vl_text"
-    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(f.mrope_section),
-                               "mrope_interleaved": True}  # fmt: skip
     side = e.image_size // e.patch_size
     vision = {
-        "model_type": "qwen3_vl_vision", "depth": e.num_layers, "hidden_size": e.hidden_size,
+        "depth": e.num_layers, "hidden_size": e.hidden_size,
         "intermediate_size": e.ffn_hidden_size, "num_heads": e.num_attention_heads,
         "hidden_act": "gelu_pytorch_tanh", "in_channels": e.in_channels, "patch_size": e.patch_size,
         "temporal_patch_size": e.temporal_patch_size, "spatial_merge_size": e.spatial_merge_size,
@@ -170,31 +171,13 @@ def qwen3_vl_to_hf(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
         "rope_parameters": {"rope_theta": e.rotary_base, "rope_type": "axial"},
         "initializer_range": e.init_method_std,
     }  # fmt: skip
-    out = {
-        "architectures": ["Qwen3VLForConditionalGeneration"],
-        "model_type": "qwen3_vl",
-        "text_config": text,
-        "vision_config": vision,
-        "tie_word_embeddings": f.tie_word_embeddings,
-        "dtype": to_hf_config(plain, dtype)["dtype"],
-    }
-    out.update({k: getattr(cfg, k) for k in _TOKEN_IDS if getattr(cfg, k, None) is not None})
-    return out
+    rope = {"mrope_section": list(f.mrope_section), "mrope_interleaved": True}
+    return composed_hf_config(cfg, dtype, arch="Qwen3VLForConditionalGeneration", model_type="qwen3_vl",
+                              rope=rope, vision=vision)  # fmt: skip
 
 
 def qwen3_vl_same(a: Any, b: Any) -> bool:
-    def fields(c: Any, names: tuple[str, ...]) -> dict[str, Any]:
-        d = dataclasses.asdict(c)
-        return {k: d.get(k) for k in names}
-
-    return (
-        same_architecture(a.foundation, b.foundation)
-        and a.foundation.mrope_section == b.foundation.mrope_section
-        and a.foundation.mrope_interleaved == b.foundation.mrope_interleaved
-        and same_value(fields(a.image_encoder, _ENCODER_ARCH), fields(b.image_encoder, _ENCODER_ARCH))
-        and same_value(fields(a.image_projector, _PROJECTOR_ARCH), fields(b.image_projector, _PROJECTOR_ARCH))
-        and all(same_value(getattr(a, k, None), getattr(b, k, None)) for k in _TOKEN_IDS)
-    )
+    return same_composed(a, b, _ENCODER_ARCH, _PROJECTOR_ARCH, _TOKEN_IDS)
 
 
 _VISUAL = {"modules": (("", "model.visual."),)}

@@ -100,9 +100,15 @@ def make_hf_vlm(path: Path, *, tie: bool = False, seed: int = 0, max_shard_size:
         ),
         tie_word_embeddings=tie, **VLM_TOKENS,
     )  # fmt: skip
+    return _save_random(transformers.Qwen2_5_VLForConditionalGeneration, config, path, seed, max_shard_size)
+
+
+def _save_random(cls, config, path: Path, seed: int, max_shard_size: str | None) -> Path:
+    """A random ``cls(config)`` in fp32, norms and biases perturbed too (so that a swapped tensor
+    cannot go unnoticed), saved with ``save_pretrained``."""
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # random norms and biases too, so that a swapped tensor cannot go unnoticed
+    model = cls(config).to(torch.float32)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_q" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
@@ -130,15 +136,7 @@ def make_hf_qwen3_vl(path: Path, *, tie: bool = False, seed: int = 0, max_shard_
         ),
         tie_word_embeddings=tie, **VLM_TOKENS,
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # random norms and biases too, so that a swapped tensor cannot go unnoticed
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, **kwargs)
-    return path
+    return _save_random(transformers.Qwen3VLForConditionalGeneration, config, path, seed, max_shard_size)
 
 
 def vlm_inputs(image: Path = IMAGE, seed: int = 1, patch_size: int = 14) -> dict[str, torch.Tensor]:
