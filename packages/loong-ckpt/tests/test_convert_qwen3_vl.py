@@ -184,3 +184,17 @@ def test_interleaved_sections_match_transformers():
     cos, _ = rope(torch.zeros(1, dtype=torch.float32), pos)
     freqs = interleave_sections(pos[..., None].float() * rope.inv_freq, [24, 20, 20])
     assert torch.allclose(torch.cat([freqs, freqs], -1).cos(), cos, atol=1e-6)
+
+
+@pytest.mark.dist
+def test_tp2_logits_match_hf(qwen3_vl, tmp_path):
+    """torchrun, 2 processes, gloo, TP=2: the ViT, both kinds of merger and the LLM split over 2
+    ranks, from the converted checkpoint and from the HF directory loaded online (each rank reads
+    its share of q, k, v and of every merger)."""
+    from loong_ckpt.testing import run_workers
+
+    jobs = [(src, qwen3_vl.tokens, tmp_path / f"{kind}.pt") for kind, src in (("ckpt", qwen3_vl.ckpt),
+                                                                              ("hf", qwen3_vl.hf))]  # fmt: skip
+    for (src, _, _), logits in zip(jobs, run_workers(jobs, tp=2, pp=1)):
+        assert logits.shape == qwen3_vl.ref.shape
+        assert (logits - qwen3_vl.ref).abs().max().item() <= TOL, src
