@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from loong_data.bundled import VLM_SAMPLE_DIR
+
 _UNSET = object()  # a base kwarg this family's config does not take
 _MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True)
 FAMILY_CONFIGS = {
@@ -75,9 +77,9 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 VLM_TOKENS = {
     "image_token_id": 990, "video_token_id": 991, "vision_start_token_id": 992, "vision_end_token_id": 993,
 }  # fmt: skip
-# A real photo (scikit-image's "chelsea", bundled with loong-data's multimodal sample).
-# (the repository root is 5 levels up: packages/loong-ckpt/src/loong_ckpt/testing/)
-IMAGE = Path(__file__).parents[5] / "packages/loong-data/src/loong_data/corpus/vlm_sample/images/chelsea.jpg"
+# A real photo (scikit-image's "chelsea", bundled with loong-data's multimodal sample: package
+# data, so it is found in an installed wheel as in the repository).
+IMAGE = VLM_SAMPLE_DIR / "images" / "chelsea.jpg"
 
 
 def make_hf_vlm(path: Path, *, tie: bool = False, seed: int = 0, max_shard_size: str | None = None,
