@@ -85,16 +85,30 @@ MLA_ATTENTION: tuple[Rule, ...] = (
 MOE_MLP: tuple[Rule, ...] = (
     Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), Split.REPLICATED, on_layer=_moe_layer),
     Rule(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",), Split.REPLICATED,
-         when=lambda c: c.moe.expert_bias, on_layer=_moe_layer, dtype=torch.float32),
+         when=lambda c: c.moe is not None and c.moe.expert_bias, on_layer=_moe_layer, dtype=torch.float32),
     Rule(_L + "mlp.experts.experts.linear_fc1.weight", (_E + "gate_proj.weight", _E + "up_proj.weight"), Split.COLUMN,
          GATE_UP, on_layer=_moe_layer),
     Rule(_L + "mlp.experts.experts.linear_fc2.weight", (_E + "down_proj.weight",), Split.ROW, on_layer=_moe_layer),
     Rule(_L + "mlp.shared_experts.linear_fc1.weight",
          (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"), Split.COLUMN, GATE_UP,
-         when=lambda c: bool(c.moe.shared_expert_intermediate_size), on_layer=_moe_layer),
+         when=lambda c: c.moe is not None and bool(c.moe.shared_expert_intermediate_size), on_layer=_moe_layer),
     Rule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_experts.down_proj.weight",), Split.ROW,
-         when=lambda c: bool(c.moe.shared_expert_intermediate_size), on_layer=_moe_layer),
+         when=lambda c: c.moe is not None and bool(c.moe.shared_expert_intermediate_size), on_layer=_moe_layer),
 )  # fmt: skip
+
+# DeepSeek-V3.2's lightning indexer (loong_models' LightningIndexer, megatron's DSAIndexer names),
+# the core attention's submodule. Replicated on every TP rank, as loong_models builds it. HF rotates
+# the first qk_rope_head_dim dims of its q / k by halves (not interleaved), as the indexer does, so
+# the rows need no permutation; HF's bf16 indexer skips the reference's Hadamard rotation and FP8
+# scoring, and so does Loong's (the rotation leaves every q . k unchanged).
+_IDX = _L + "self_attention.core_attention.indexer."
+DSA_INDEXER: tuple[Rule, ...] = (
+    Rule(_IDX + "linear_wq_b.weight", (_H + "self_attn.indexer.wq_b.weight",), Split.REPLICATED),
+    Rule(_IDX + "linear_wk.weight", (_H + "self_attn.indexer.wk.weight",), Split.REPLICATED),
+    Rule(_IDX + "k_norm.weight", (_H + "self_attn.indexer.k_norm.weight",), Split.REPLICATED),
+    Rule(_IDX + "k_norm.bias", (_H + "self_attn.indexer.k_norm.bias",), Split.REPLICATED),
+    Rule(_IDX + "linear_weights_proj.weight", (_H + "self_attn.indexer.weights_proj.weight",), Split.REPLICATED),
+)
 
 QKV_BIAS: tuple[Rule, ...] = (
     Rule(
@@ -132,6 +146,8 @@ MAPPINGS: dict[str, FamilyMapping] = {
         FamilyMapping("qwen3", DENSE_DECODER + QK_NORM),
         FamilyMapping("qwen3-moe", DENSE_DECODER + QK_NORM + MOE_MLP),
         FamilyMapping("deepseek-v3", EMBEDDING_AND_HEAD + MLA_ATTENTION + DENSE_MLP + MOE_MLP, mtp=MTP_OWN),
+        # No MTP: HF's DeepseekV32 skips the released checkpoint's MTP layer (model.layers.61) on load
+        FamilyMapping("deepseek-v32", EMBEDDING_AND_HEAD + MLA_ATTENTION + DSA_INDEXER + DENSE_MLP + MOE_MLP),
     )
 }
 

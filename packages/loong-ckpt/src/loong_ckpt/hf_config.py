@@ -13,7 +13,7 @@ import torch
 
 from loong_ckpt.families import supported_architectures
 from loong_models import FoundationConfig, RopeScaling, get_family
-from loong_models.foundation import MLAConfig, MoEConfig
+from loong_models.foundation import MLAConfig, MoEConfig, SparseAttentionConfig
 from loong_models.foundation.config import ROPE_TYPE_FIELDS
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -148,11 +148,44 @@ def _deepseek_v3_moe_from_hf(k: _Keys) -> MoEConfig:
     )  # fmt: skip
 
 
+def _deepseek_v32_moe_from_hf(k: _Keys) -> MoEConfig | None:
+    """DeepSeek-V3's MoE, or none when every layer is dense (HF's mlp_layer_types, which defaults
+    to first_k_dense_replace dense layers then MoE ones)."""
+    n, first = k.hf["num_hidden_layers"], k.get("first_k_dense_replace", default=3)
+    dense = min(first, n)
+    types = k.get("mlp_layer_types", default=["dense"] * dense + ["sparse"] * (n - dense))
+    dense = types.count("dense")
+    if types != ["dense"] * dense + ["sparse"] * (n - dense):
+        raise k.fail("mlp_layer_types", "only the first k layers may be dense")
+    if dense == n:
+        return None
+    return dataclasses.replace(_deepseek_v3_moe_from_hf(k), first_k_dense=dense)
+
+
 # HF config.json -> MoEConfig, per family (the HF key names differ between model types).
-_MOE_FROM_HF: dict[str, Callable[[_Keys], MoEConfig]] = {
+_MOE_FROM_HF: dict[str, Callable[[_Keys], MoEConfig | None]] = {
     "qwen3-moe": _qwen3_moe_from_hf,
     "deepseek-v3": _deepseek_v3_moe_from_hf,
+    "deepseek-v32": _deepseek_v32_moe_from_hf,
 }
+
+# HF's DeepSeek-V3.2 indexer normalises its keys with LayerNorm(eps=1e-6) whatever rms_norm_eps
+# says; Loong's uses the model's norm_epsilon.
+_INDEXER_NORM_EPS = 1e-6
+
+
+def _sparse_attention_fields(k: _Keys, rope_scaled: bool) -> dict[str, Any]:
+    """DeepSeek sparse attention (the lightning indexer's sizes), and what Loong's cannot load."""
+    eps = k.get("rms_norm_eps", default=1e-6)
+    if not math.isclose(eps, _INDEXER_NORM_EPS, rel_tol=1e-6):
+        raise k.fail("rms_norm_eps", f"HF's indexer LayerNorm has eps {_INDEXER_NORM_EPS}, Loong's the model's norm eps")
+    if rope_scaled:  # loong_models' DSA applies plain RoPE (its indexer has no YaRN)
+        raise k.fail("rope_parameters", "RoPE scaling (YaRN) with sparse attention is not supported yet")
+    if k.get("num_nextn_predict_layers", default=0):
+        raise k.fail("num_nextn_predict_layers", "MTP layers of deepseek-v32 are not mapped (HF's DeepseekV32 skips them too)")
+    sparse = SparseAttentionConfig(index_n_heads=k.hf["index_n_heads"], index_head_dim=k.hf["index_head_dim"],
+                                   index_topk=k.hf["index_topk"])  # fmt: skip
+    return {"sparse_attention": sparse}
 
 
 def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> FoundationConfig:
@@ -197,6 +230,7 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> Foundatio
         init_method_std=hf.get("initializer_range", 0.02),
         mtp_num_layers=hf.get("num_nextn_predict_layers") or None,  # DeepSeek-V3's MTP layers
         **_ATTENTION_FROM_HF[fam.attention](k),
+        **(_sparse_attention_fields(k, rope_scaling is not None) if fam.sparse_attention else {}),
     )
     try:
         cfg.validate()
@@ -210,7 +244,7 @@ _ROPE_FIELDS = {f.name for f in dataclasses.fields(RopeScaling)}
 ARCH_FIELDS = (
     "family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "vocab_size", "max_position_embeddings", "rotary_base", "rope_scaling", "norm_epsilon",
-    "tie_word_embeddings", "mla", "moe", "mtp_num_layers",
+    "tie_word_embeddings", "mla", "moe", "mtp_num_layers", "sparse_attention",
 )  # fmt: skip
 # The MoEConfig fields that are architecture (the rest are training knobs: balancing loss, capacity).
 MOE_ARCH_FIELDS = (
@@ -219,11 +253,16 @@ MOE_ARCH_FIELDS = (
 )  # fmt: skip
 
 
+_SPARSE_ARCH_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
+
+
 def _arch_dict(c: FoundationConfig) -> dict[str, Any]:
     d = {k: v for k, v in dataclasses.asdict(c).items() if k in ARCH_FIELDS}
     d["num_query_groups"], d["kv_channels"] = c.query_groups, c.head_dim
     if c.moe is not None:
         d["moe"] = {k: getattr(c.moe, k) for k in MOE_ARCH_FIELDS}
+    if c.sparse_attention is not None:  # indexer_loss_coeff is a training knob
+        d["sparse_attention"] = {k: getattr(c.sparse_attention, k) for k in _SPARSE_ARCH_FIELDS}
     return d
 
 
@@ -294,6 +333,20 @@ def to_hf_config(
         )  # fmt: skip
     if cfg.moe is not None:
         out.update(_MOE_TO_HF[cfg.family](cfg, cfg.moe))
+    if cfg.sparse_attention is not None:
+        out.update(_sparse_attention_to_hf(cfg, cfg.sparse_attention))
+        del out["rope_interleave"]  # DeepseekV32Config has no such key: its MLA always interleaves
+    return out
+
+
+def _sparse_attention_to_hf(cfg: FoundationConfig, dsa: SparseAttentionConfig) -> dict[str, Any]:
+    """DeepseekV32Config's indexer keys; a model without MoE is all dense layers."""
+    if not math.isclose(cfg.norm_epsilon, _INDEXER_NORM_EPS, rel_tol=1e-6):
+        raise ConversionError(f"model.foundation.norm_epsilon={cfg.norm_epsilon} cannot be written as an HF "
+                              f"DeepseekV32 config: its indexer LayerNorm has eps {_INDEXER_NORM_EPS}")  # fmt: skip
+    out = {"index_n_heads": dsa.index_n_heads, "index_head_dim": dsa.index_head_dim, "index_topk": dsa.index_topk}
+    if cfg.moe is None:
+        out["first_k_dense_replace"] = cfg.num_layers
     return out
 
 
@@ -340,10 +393,17 @@ def _expressible(cfg: FoundationConfig, **required: Any) -> None:
             )
 
 
+def _deepseek_v32_moe_to_hf(cfg: FoundationConfig, moe: MoEConfig) -> dict[str, Any]:
+    out = _deepseek_v3_moe_to_hf(cfg, moe)
+    del out["num_nextn_predict_layers"]  # not a DeepseekV32Config key (its MTP is not mapped)
+    return out
+
+
 # MoEConfig -> HF config.json keys, per family.
 _MOE_TO_HF: dict[str, Callable[[FoundationConfig, MoEConfig], dict[str, Any]]] = {
     "qwen3-moe": _qwen3_moe_to_hf,
     "deepseek-v3": _deepseek_v3_moe_to_hf,
+    "deepseek-v32": _deepseek_v32_moe_to_hf,
 }
 
 
@@ -378,7 +438,8 @@ def foundation_to_dict(cfg: FoundationConfig) -> dict[str, Any]:
 
 def foundation_from_dict(d: dict[str, Any]) -> FoundationConfig:
     d = dict(d)
-    for key, cls in (("rope_scaling", RopeScaling), ("mla", MLAConfig), ("moe", MoEConfig)):
+    for key, cls in (("rope_scaling", RopeScaling), ("mla", MLAConfig), ("moe", MoEConfig),
+                     ("sparse_attention", SparseAttentionConfig)):
         if isinstance(d.get(key), dict):
             d[key] = cls(**d[key])
     names = {f.name for f in dataclasses.fields(FoundationConfig)}

@@ -24,6 +24,14 @@ FAMILY_CONFIGS = {
         n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=0,
     )),
+    # DeepSeek-V3's tiny model plus the lightning indexer: 8 indexer heads (a key scores exactly 0,
+    # a possible top-k tie, only when all 8 ReLUs are 0) keeping the best 8 keys, so that every
+    # query past position 8 of the parity test's 24 tokens drops keys
+    "deepseek-v32": ("DeepseekV32Config", dict(
+        _MOE, num_key_value_heads=4, head_dim=_UNSET, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, index_n_heads=8, index_head_dim=16, index_topk=8,
+    )),
 }  # fmt: skip
 
 
