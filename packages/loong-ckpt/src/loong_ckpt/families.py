@@ -107,7 +107,9 @@ DSA_INDEXER: tuple[Rule, ...] = (
     Rule(_IDX + "linear_wk.weight", (_H + "self_attn.indexer.wk.weight",), Split.REPLICATED),
     Rule(_IDX + "k_norm.weight", (_H + "self_attn.indexer.k_norm.weight",), Split.REPLICATED),
     Rule(_IDX + "k_norm.bias", (_H + "self_attn.indexer.k_norm.bias",), Split.REPLICATED),
-    Rule(_IDX + "linear_weights_proj.weight", (_H + "self_attn.indexer.weights_proj.weight",), Split.REPLICATED),
+    Rule(
+        _IDX + "linear_weights_proj.weight", (_H + "self_attn.indexer.weights_proj.weight",), Split.REPLICATED
+    ),
 )
 
 QKV_BIAS: tuple[Rule, ...] = (

@@ -178,11 +178,17 @@ def _sparse_attention_fields(k: _Keys, rope_scaled: bool) -> dict[str, Any]:
     """DeepSeek sparse attention (the lightning indexer's sizes), and what Loong's cannot load."""
     eps = k.get("rms_norm_eps", default=1e-6)
     if not math.isclose(eps, _INDEXER_NORM_EPS, rel_tol=1e-6):
-        raise k.fail("rms_norm_eps", f"HF's indexer LayerNorm has eps {_INDEXER_NORM_EPS}, Loong's the model's norm eps")
+        raise k.fail(
+            "rms_norm_eps",
+            f"HF's indexer LayerNorm has eps {_INDEXER_NORM_EPS}, Loong's the model's norm eps",
+        )
     if rope_scaled:  # loong_models' DSA applies plain RoPE (its indexer has no YaRN)
         raise k.fail("rope_parameters", "RoPE scaling (YaRN) with sparse attention is not supported yet")
     if k.get("num_nextn_predict_layers", default=0):
-        raise k.fail("num_nextn_predict_layers", "MTP layers of deepseek-v32 are not mapped (HF's DeepseekV32 skips them too)")
+        raise k.fail(
+            "num_nextn_predict_layers",
+            "MTP layers of deepseek-v32 are not mapped (HF's DeepseekV32 skips them too)",
+        )
     sparse = SparseAttentionConfig(index_n_heads=k.hf["index_n_heads"], index_head_dim=k.hf["index_head_dim"],
                                    index_topk=k.hf["index_topk"])  # fmt: skip
     return {"sparse_attention": sparse}
@@ -344,7 +350,11 @@ def _sparse_attention_to_hf(cfg: FoundationConfig, dsa: SparseAttentionConfig) -
     if not math.isclose(cfg.norm_epsilon, _INDEXER_NORM_EPS, rel_tol=1e-6):
         raise ConversionError(f"model.foundation.norm_epsilon={cfg.norm_epsilon} cannot be written as an HF "
                               f"DeepseekV32 config: its indexer LayerNorm has eps {_INDEXER_NORM_EPS}")  # fmt: skip
-    out = {"index_n_heads": dsa.index_n_heads, "index_head_dim": dsa.index_head_dim, "index_topk": dsa.index_topk}
+    out = {
+        "index_n_heads": dsa.index_n_heads,
+        "index_head_dim": dsa.index_head_dim,
+        "index_topk": dsa.index_topk,
+    }
     if cfg.moe is None:
         out["first_k_dense_replace"] = cfg.num_layers
     return out
@@ -438,8 +448,12 @@ def foundation_to_dict(cfg: FoundationConfig) -> dict[str, Any]:
 
 def foundation_from_dict(d: dict[str, Any]) -> FoundationConfig:
     d = dict(d)
-    for key, cls in (("rope_scaling", RopeScaling), ("mla", MLAConfig), ("moe", MoEConfig),
-                     ("sparse_attention", SparseAttentionConfig)):
+    for key, cls in (
+        ("rope_scaling", RopeScaling),
+        ("mla", MLAConfig),
+        ("moe", MoEConfig),
+        ("sparse_attention", SparseAttentionConfig),
+    ):
         if isinstance(d.get(key), dict):
             d[key] = cls(**d[key])
     names = {f.name for f in dataclasses.fields(FoundationConfig)}
