@@ -54,6 +54,8 @@ def loong_logits(
         cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         **({"expert_model_parallel_size": ep} if cfg.moe is not None else {}),
         **(fusion_fields(backend) if backend == "te" else {}),  # TE's grouped-GEMM experts, fused ops
+        # megatron's absorbed MLA (DeepSeek sparse attention's) needs sequence parallelism at TP > 1
+        **({"sequence_parallel": True} if tp > 1 and cfg.sparse_attention is not None else {}),
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
     )  # fmt: skip
     first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
