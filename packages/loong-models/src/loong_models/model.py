@@ -24,7 +24,7 @@ from loong_models.image_projector import (
 )
 from loong_models.lora import LoraConfig, apply_lora
 from loong_models.omni import OmniCombinationModel, VisionTokenIds
-from loong_models.specs import resolve_backend
+from loong_models.specs import LayerBackend, resolve_backend
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -44,7 +44,7 @@ class ModelConfig:
     # Multimodal RoPE: temporal position step per second of video (Qwen2.5-VL: 2).
     tokens_per_second: float = 2.0
     # Which layer implementations to use: auto (TE on CUDA when installed, else local), te, local.
-    layer_backend: str = "auto"
+    layer_backend: LayerBackend = LayerBackend.auto
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
     # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,
@@ -82,7 +82,6 @@ class ModelConfig:
         if self.image_encoder is None:
             return
         self.image_encoder.validate(f"{prefix}.image_encoder")
-        self.image_projector.validate(f"{prefix}.image_projector")
         if self.image_token_id is None:
             raise ValueError(f"{prefix}.image_token_id is required for a VLM (the id of <|image_pad|>)")
         for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from enum import StrEnum
 
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -30,7 +31,13 @@ from loong_models.attention import DSAttention, DSAttentionSubmodules, Lightning
 from loong_models.log import logger
 from loong_models.norm import RMSNorm
 
-BACKENDS = ("auto", "te", "local")
+
+class LayerBackend(StrEnum):
+    """Which layer implementations a model uses (``model.layer_backend``)."""
+
+    auto = "auto"  # te on CUDA when transformer-engine imports, else local
+    te = "te"  # megatron-core's transformer-engine spec
+    local = "local"  # megatron-core's local modules, SDPA attention, Loong's RMSNorm
 
 
 @functools.cache
@@ -42,10 +49,9 @@ def te_installed() -> bool:
     return bool(HAVE_TE)
 
 
-def resolve_backend(backend: str, device_type: str) -> str:
+def resolve_backend(backend: LayerBackend | str, device_type: str) -> str:
     """``auto`` -> ``te`` on CUDA when TE imports, else ``local``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"model.layer_backend={backend!r}; allowed: {', '.join(BACKENDS)}")
+    backend = LayerBackend(backend)  # a config's value is one already; a caller's string may not be
     if backend == "auto":
         return "te" if device_type == "cuda" and te_installed() else "local"
     if backend == "te" and not te_installed():
