@@ -3,6 +3,7 @@ and for VLMs an ``image_encoder`` and an ``image_projector`` (OmniCombinationMod
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from omegaconf import OmegaConf
 
+from loong_models import flops
 from loong_models.diffusion import FlowMatchingConfig, WanConfig, WanModel, build_wan_transformer_config
 from loong_models.diffusion.towers import TextEncoderConfig, VaeConfig
 from loong_models.embodied.pi05 import Pi05Config
+from loong_models.flops import Work
 from loong_models.foundation import FoundationConfig, build_foundation
 from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
 from loong_models.image_projector import (
@@ -162,21 +165,15 @@ class ModelConfig:
             raise ValueError(f"model.{key}.vocab_size={size} is smaller than the "
                              f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
 
-    def flops_per_patch(self) -> float:
-        """Training FLOPs per ViT patch of the image encoder and projector, 6 N per token (the
-        projector runs on patches / merge**2 tokens); the ViT's attention is not counted (a few
-        percent at 448 px). 0 for a text-only model."""
-        e = self.image_encoder
-        if e is None:
-            return 0.0
-        proj = self.image_projector.num_parameters(e.hidden_size, e.spatial_merge_size, self.foundation.hidden_size)
-        return 6 * e.num_parameters() + 6 * proj / e.spatial_merge_size**2
+    def work(self, sample_lengths: Iterable[int] = (), grids: Iterable[Sequence[int]] = ()) -> Work:
+        """The additive counts (:class:`loong_models.flops.Work`) of samples of these real token
+        counts and images / videos of these ``(t, h, w)`` patch grids."""
+        return flops.work(self, sample_lengths, grids)
 
-    def training_flops(self, *, tokens: int, seq_length: int, patches: int = 0) -> float:
-        """The model's training FLOPs for ``tokens`` tokens in ``seq_length``-token sequences and
-        ``patches`` image patches: what MFU and the benches count."""
-        flops = self.foundation.flops_per_token(seq_length) * tokens
-        return flops + self.flops_per_patch() * patches if patches else flops
+    def training_flops(self, counts: Work) -> float:
+        """Training FLOPs of ``counts`` (forward + backward; loong_models.flops): what the
+        trainer's MFU and the benches count."""
+        return flops.training_flops(self, counts)
 
 
 def zoo_names() -> list[str]:

@@ -250,7 +250,12 @@ class FoundationConfig:
         """Parameters used per token (equals :meth:`num_parameters` for a dense model)."""
         return self.num_parameters(include_embedding, active=True)
 
+    def training_flops(self, tokens: int, token_pairs: int) -> float:
+        """Training FLOPs (DESIGN.md) of ``tokens`` tokens: 6 N per token for the weights it uses
+        (active parameters of an MoE) + 6 L h per (token, token of its sample) pair of causal
+        attention, ``token_pairs`` = sum over the samples of length**2."""
+        return float(6 * self.num_active_parameters() * tokens + 6 * self.num_layers * self.hidden_size * token_pairs)
+
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token (DESIGN.md): 6 N for the weights a token uses (active
-        parameters of an MoE) + 6 L h s for causal attention over ``seq_length`` tokens."""
-        return 6 * self.num_active_parameters() + 6 * self.num_layers * self.hidden_size * seq_length
+        """Training FLOPs per token of ``seq_length``-token rows: 6 N + 6 L h s."""
+        return self.training_flops(1, seq_length)
