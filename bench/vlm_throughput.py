@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -287,8 +287,7 @@ def train_overrides(args, jsonl: Path, workdir: Path) -> list[str]:
         f"model={args.model}", f"model.foundation.num_layers={args.text_layers}",
         f"model.image_encoder.num_layers={args.vision_layers}",
         f"model.image_encoder.fullatt_block_indexes=[{','.join(map(str, full))}]",
-        f"model.image_token_id={v.image_pad}", f"model.video_token_id={v.video_pad}",
-        f"model.vision_start_token_id={v.vision_start}", f"model.vision_end_token_id={v.vision_end}",
+        *(f"model.{key}={i}" for key, i in asdict(v).items()),  # the vision token ids
         f"data.multimodal.jsonl=[{jsonl}]", f"data.multimodal.min_pixels={pixels}",
         f"data.multimodal.max_pixels={pixels}", f"data.multimodal.samples_per_shard={per_shard}",
         f"data.seq_length={args.seq}", f"data.cache_dir={workdir}/data-cache",
@@ -336,8 +335,7 @@ def hf_worker(args) -> None:
     cfg = compose(overrides)
     shape = bench_shape(cfg.model)
     m = cfg.model
-    ids = dict(image_token_id=m.image_token_id, video_token_id=m.video_token_id,
-               vision_start_token_id=m.vision_start_token_id, vision_end_token_id=m.vision_end_token_id)  # fmt: skip
+    ids = asdict(m.vision_token_ids)
     data = run_data(cfg, step_layout(cfg, num_microbatches=cfg.train.global_batch_size // cfg.train.micro_batch_size))
     batches = data.train_steps()
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 (tiny, random) HF Qwen2.5-VL, and the translation of a packed micro-batch into HF inputs."""
 
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -26,12 +26,7 @@ MODEL = load_model_config(
     ],
 )  # qkv biases, as HF Qwen2.5-VL
 TINY = bench_shape(MODEL)
-IDS = dict(
-    image_token_id=MODEL.image_token_id,
-    video_token_id=MODEL.video_token_id,
-    vision_start_token_id=MODEL.vision_start_token_id,
-    vision_end_token_id=MODEL.vision_end_token_id,
-)
+IDS = asdict(MODEL.vision_token_ids)
 IMG, VID, VS, VE = (
     IDS[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 )

@@ -22,6 +22,7 @@ from loong_ckpt.composed import ComponentMapping, ModelMapping
 from loong_ckpt.families import get_mapping
 from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture, same_value, to_hf_config
 from loong_ckpt.mapping import GATE_UP, QKV, Rule, SliceReader, Split, Transform
+from loong_models.omni.mrope import VisionTokenIds
 
 # --- the vision tower's transforms ------------------------------------------------------------
 
@@ -128,7 +129,7 @@ def _projector_shapes(cfg: Any) -> AttentionShapes:
 # --- config.json <-> ModelConfig ----------------------------------------------------------------
 
 ENCODER_TYPE = "qwen2.5-vit"
-_TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+_TOKEN_IDS = tuple(f.name for f in dataclasses.fields(VisionTokenIds))  # HF's keys are the model's
 _VISION_DEFAULTS = {"hidden_act": "silu", "in_channels": 3}  # HF's own defaults
 # Vision fields the converted encoder determines (the rest are runtime knobs).
 _ENCODER_ARCH = ("type", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "patch_size",
@@ -258,7 +259,7 @@ def qwen25_vl_to_hf(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
         "tie_word_embeddings": f.tie_word_embeddings,
         "dtype": to_hf_config(plain, dtype)["dtype"],
     }
-    out.update({k: getattr(cfg, k) for k in _TOKEN_IDS if getattr(cfg, k, None) is not None})
+    out.update({k: v for k, v in dataclasses.asdict(cfg.vision_token_ids).items() if v is not None})
     return out
 
 
@@ -272,7 +273,8 @@ def qwen25_vl_same(a: Any, b: Any) -> bool:
         and a.foundation.mrope_section == b.foundation.mrope_section
         and same_value(fields(a.image_encoder, _ENCODER_ARCH), fields(b.image_encoder, _ENCODER_ARCH))
         and same_value(fields(a.image_projector, _PROJECTOR_ARCH), fields(b.image_projector, _PROJECTOR_ARCH))
-        and all(same_value(getattr(a, k, None), getattr(b, k, None)) for k in (*_TOKEN_IDS, "tokens_per_second"))
+        and a.vision_token_ids == b.vision_token_ids
+        and same_value(a.tokens_per_second, b.tokens_per_second)
     )
 
 

@@ -3,6 +3,7 @@ and for VLMs an ``image_encoder`` and an ``image_projector`` (OmniCombinationMod
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from loong_models.omni import OmniCombinationModel, VisionTokenIds
 from loong_models.specs import LayerBackend, resolve_backend
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+VISION_TOKEN_KEYS = tuple(f.name for f in dataclasses.fields(VisionTokenIds))  # also ModelConfig's keys
 
 
 @dataclass
@@ -72,6 +74,11 @@ class ModelConfig:
     def is_multimodal(self) -> bool:
         return self.image_encoder is not None
 
+    @property
+    def vision_token_ids(self) -> VisionTokenIds:
+        """The vision token ids of a VLM (its ``*_token_id`` keys)."""
+        return VisionTokenIds(**{key: getattr(self, key) for key in VISION_TOKEN_KEYS})
+
     def validate(self, prefix: str = "model") -> None:
         if self.embodied is not None:
             return self.embodied.validate(f"{prefix}.embodied")
@@ -87,7 +94,7 @@ class ModelConfig:
         self.image_encoder.validate(f"{prefix}.image_encoder")
         if self.image_token_id is None:
             raise ValueError(f"{prefix}.image_token_id is required for a VLM (the id of <|image_pad|>)")
-        for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        for key in VISION_TOKEN_KEYS:
             v = getattr(self, key)
             if v is not None and not 0 <= v < self.foundation.vocab_size:
                 raise ValueError(f"{prefix}.{key}={v} is outside the vocabulary (foundation.vocab_size="
@@ -146,12 +153,11 @@ class ModelConfig:
 
     def check_tokenizer(self, vocab_size: int, vision: Any = None, *, source: str = "the tokenizer") -> None:
         """Raise ValueError naming the key when a tokenizer's ids do not fit this model: its
-        vocabulary, and (``vision``: ids ``image_pad``, ``video_pad``, ``vision_start``,
-        ``vision_end``, e.g. loong-data's ChatTokenizer.vision) a VLM's vision token ids."""
+        vocabulary, and (``vision``: the tokenizer's ids under :class:`VisionTokenIds`' names, e.g.
+        loong-data's ChatTokenizer.vision) a VLM's vision token ids."""
         if self.image_encoder is not None and vision is not None:
-            for key, token in (("image_token_id", "image_pad"), ("video_token_id", "video_pad"),
-                               ("vision_start_token_id", "vision_start"), ("vision_end_token_id", "vision_end")):  # fmt: skip
-                mine, theirs = getattr(self, key), getattr(vision, token)
+            for key in VISION_TOKEN_KEYS:
+                mine, theirs = getattr(self, key), getattr(vision, key)
                 if mine is not None and mine != theirs:
                     raise ValueError(f"model.{key}={mine} but the tokenizer ({source}) has id {theirs} for "
                                      f"that token; set model.{key}={theirs}")  # fmt: skip
@@ -287,7 +293,7 @@ def build_model(
             _apply_component_settings(module, component.freeze, replicated=etp < ftp)
     model = OmniCombinationModel(
         config, foundation, encoder, projector,
-        token_ids=VisionTokenIds(cfg.image_token_id, cfg.video_token_id),
+        token_ids=cfg.vision_token_ids,
         spatial_merge_size=enc_cfg.spatial_merge_size,
         mrope=cfg.foundation.mrope_section is not None,
         tokens_per_second=cfg.tokens_per_second,
