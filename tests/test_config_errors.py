@@ -5,6 +5,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from loong_models import FAMILIES
 from loong_train.main import to_config
 from loong_train.schema import ConfigError, validate
 
@@ -52,7 +53,7 @@ def test_bad_values_name_the_key(override, message):
         ("optim.schedule=step", "optim.schedule", "cosine, linear, constant"),
         ("data.kind=audio", "data.kind", "text, chat, multimodal, lerobot, diffusion"),
         ("parallel.moe_token_dispatcher=flex", "parallel.moe_token_dispatcher", "alltoall, allgather"),
-        ("model.foundation.family=gpt2", "model.foundation.family", "llama, qwen2, qwen3, qwen3-moe, deepseek-v3, deepseek-v32"),
+        ("model.foundation.family=gpt2", "model.foundation.family", ", ".join(FAMILIES)),
         ("model.layer_backend=fast", "model.layer_backend", "auto, te, local"),
         ("++model.foundation.recompute=some", "model.foundation.recompute", "selective, full"),
         ("+data.lerobot.norm_mode=zscore", "data.lerobot.norm_mode", "mean_std, min_max, quantiles"),

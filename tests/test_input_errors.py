@@ -117,7 +117,8 @@ def test_a_misspelt_key_fails_in_one_line_with_the_closest_key(monkeypatch, over
 
 @pytest.mark.parametrize("args", [["--cfg", "job", "model=tiny"], ["phase=sft", "+model.foundation.extra.x=1"]])
 def test_valid_overrides_pass_the_key_check(args):
-    from loong_train.overrides import check_overrides
+    from loong_models.overrides import check_overrides
+    from loong_train.main import CONFIG_PACKAGES
     from loong_train.schema import Config
 
-    assert check_overrides(args, Config) is None
+    assert check_overrides(args, Config, CONFIG_PACKAGES) is None

@@ -4,15 +4,13 @@ the error names the key and the allowed values (OmegaConf's check, no hand-writt
 import pytest
 from omegaconf.errors import ValidationError
 
-from loong_models import load_model_config
-
-FAMILIES = "llama, qwen2, qwen3, qwen3-moe, deepseek-v3, deepseek-v32"
+from loong_models import ENCODER_TYPES, FAMILIES, load_model_config
 
 
 @pytest.mark.parametrize(
     "model, override, key, allowed",
     [
-        ("tiny", "foundation.family=mamba", "foundation.family", FAMILIES),
+        ("tiny", "foundation.family=mamba", "foundation.family", ", ".join(FAMILIES)),
         ("tiny", "+foundation.recompute=some", "foundation.recompute", "selective, full"),
         ("tiny", "layer_backend=fast", "layer_backend", "auto, te, local"),
         ("tiny", "+foundation.recompute_modules=[attn]", "foundation.recompute_modules[0]",
@@ -24,7 +22,7 @@ FAMILIES = "llama, qwen2, qwen3, qwen3-moe, deepseek-v3, deepseek-v32"
          "probs, position"),
         ("qwen3-moe-tiny", "+foundation.moe.router_dtype=bf16", "foundation.moe.router_dtype", "fp32, fp64"),
         ("deepseek-v3-tiny", "+foundation.rope_scaling.type=ntk", "foundation.rope_scaling.type", "llama3, yarn"),
-        ("tiny-vlm", "image_encoder.type=clip", "image_encoder.type", "qwen2.5-vit, siglip"),
+        ("tiny-vlm", "image_encoder.type=clip", "image_encoder.type", ", ".join(ENCODER_TYPES)),
         ("tiny-vlm", "image_encoder.recompute=some", "image_encoder.recompute", "selective, full"),
         ("tiny-vlm", "image_projector.type=conv", "image_projector.type", "mlp"),
         ("tiny-vlm", "image_projector.norm=BatchNorm", "image_projector.norm", "RMSNorm, LayerNorm"),

@@ -12,6 +12,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from loong_xpu.log import quiet_megatron
 
+CONFIG_PACKAGES = ("loong_train.configs", "loong_models.configs")  # where the config groups live
+
 
 def _setup_logging() -> None:
     rank = int(os.environ.get("RANK", 0))
@@ -89,10 +91,10 @@ def main() -> None:
     from loong_train.megatron_args import hydra_argv
 
     quiet_megatron()
-    from loong_train.overrides import check_overrides
+    from loong_models.overrides import check_overrides
     from loong_train.schema import Config
 
-    if (message := check_overrides(sys.argv[1:], Config)) is not None:
+    if (message := check_overrides(sys.argv[1:], Config, CONFIG_PACKAGES)) is not None:
         sys.exit(f"config error: {message}")
     _setup_logging()
     sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]  # `train --megatron -- <flags>`: megatron_args.py

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from loong_ckpt.online import export_hf
 from loong_ckpt.restore import RestoreError, restore, run_meta
+from loong_ckpt.run_metrics import MetricsWriter
 from loong_ckpt.training import save_checkpoint
 from loong_data.step_data import StepCounts, StepData, StepLayout, build_step_data
 from loong_parallel import (
@@ -28,6 +30,7 @@ from loong_parallel import (
     ModelKind,
     NonFiniteGuard,
     StepResult,
+    StepWindow,
     build_balancer,
     build_model_chunks,
     build_optimizer,
@@ -37,6 +40,7 @@ from loong_parallel import (
     initialize_model_parallel,
     microbatch_iterators,
     model_kind,
+    require_features,
     rng_state,
     schedule_shape,
     seed_everything,
@@ -44,11 +48,9 @@ from loong_parallel import (
     shutdown,
     train_step,
 )
-from loong_train.capabilities import check_features
 from loong_train.log import logger
-from loong_train.metrics import MetricsWriter, StepWindow, progress_bar
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
-from loong_xpu import get_accelerator, redirect_cuda
+from loong_xpu import UnsupportedFeatureError, get_accelerator, redirect_cuda
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -104,7 +106,10 @@ class Trainer:
         """Devices and process groups, data, model chunks, optimizer, metrics."""
         cfg, t = self.cfg, self.cfg.train
         self.accel = get_accelerator(None if t.device == "auto" else t.device)
-        check_features(cfg, self.accel)  # capabilities.py: e.g. layer_backend=te on a backend without TE
+        try:  # e.g. layer_backend=te on a backend without TE: refused before anything is built
+            require_features(cfg.model, cfg.parallel, self.accel)
+        except UnsupportedFeatureError as e:
+            raise ConfigError(str(e)) from None
         self._exit.enter_context(redirect_cuda(self.accel))
         owns_process_group = not dist.is_initialized()
         env = init_distributed(self.accel)
@@ -187,7 +192,8 @@ class Trainer:
                                      resume_step=self.start_step)  # fmt: skip
         self._exit.callback(self.metrics.close)
         self.summary = RunSummary(metrics_file=self.metrics.path, tensorboard_dir=self.metrics.tb_dir if t.tensorboard else None)
-        self.bar = progress_bar(t.steps, self.start_step, enabled=self.is_main and t.progress)
+        self.bar = tqdm(total=t.steps, initial=self.start_step, disable=not (self.is_main and t.progress), unit="step",
+                        dynamic_ncols=True, desc="train")  # fmt: skip
         self._exit.callback(self.bar.close)
         self.window = StepWindow()
         self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from, config=self.cfg,

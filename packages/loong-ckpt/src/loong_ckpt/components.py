@@ -28,6 +28,7 @@ from loong_ckpt.families import get_mapping, supported_architectures
 from loong_ckpt.hf_config import ConversionError, foundation_from_dict, from_hf_config
 from loong_ckpt.mapping import Rule, SliceReader
 from loong_ckpt.vlm import QWEN25_VL
+from loong_ckpt.vlm_qwen3 import QWEN3_VL
 from loong_models import FoundationConfig
 
 __all__ = ["MODEL_MAPPINGS", "ComponentMapping", "ModelMapping", "Renames"]  # re-exported declarations
@@ -122,7 +123,7 @@ class _RenamedReader:
 
 
 # The composed architectures, by name (declared in loong_ckpt.vlm; register() adds more).
-MODEL_MAPPINGS: dict[str, ModelMapping] = {QWEN25_VL.name: QWEN25_VL}
+MODEL_MAPPINGS: dict[str, ModelMapping] = {m.name: m for m in (QWEN25_VL, QWEN3_VL)}
 
 
 def register(mapping: ModelMapping) -> ModelMapping:
@@ -293,7 +294,8 @@ def write_any_model_yaml(cfg: Any, configs_dir: Path, name: str) -> Path:
         return model_yaml
     f = cfg.foundation
     fields = {k: v for k, v in dataclasses.asdict(f).items() if k in ARCH_FIELDS}
-    fields.update(make_vocab_size_divisible_by=f.make_vocab_size_divisible_by, mrope_section=f.mrope_section)
+    fields.update(make_vocab_size_divisible_by=f.make_vocab_size_divisible_by, mrope_section=f.mrope_section,
+                  mrope_interleaved=f.mrope_interleaved)  # fmt: skip
     found_yaml.write_text(f"# {name} (derived from its HF config.json)\n" + OmegaConf.to_yaml(fields))
     defaults = []
     for comp in _COMPONENT_KEYS:
@@ -326,7 +328,7 @@ def component_diff(a: Any, b: Any) -> str:
     fa, fb = dataclasses.asdict(foundation_of(a)), dataclasses.asdict(foundation_of(b))
     diffs += [
         f"foundation.{k}: {fa[k]!r} (HF) != {fb[k]!r}"
-        for k in (*ARCH_FIELDS, "mrope_section")
+        for k in (*ARCH_FIELDS, "mrope_section", "mrope_interleaved")
         if not same_value(fa[k], fb[k])
     ]
     if is_composed(a):

@@ -11,6 +11,7 @@ import json
 import re
 import resource
 import shutil
+import sys
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -62,7 +63,15 @@ class ConvertResult:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory (MiB). On Linux it is the kernel's high-water mark of
+    the process's own memory map (``VmHWM``): ``getrusage``'s ``ru_maxrss`` is not, since exec
+    carries the parent's peak into it (a converter started by a 1 GiB process reported 1 GiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):  # not Linux: ru_maxrss is bytes on macOS, KiB elsewhere
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (2**20 if sys.platform == "darwin" else 1024)
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:

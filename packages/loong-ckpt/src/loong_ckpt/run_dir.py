@@ -22,8 +22,9 @@ from loong_ckpt.training import complete_checkpoints
 
 RUN_CONFIG_KEY = "run_config"  # loong.json: the run's whole config, flattened to dotted keys
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 # Written by a run: what a fresh run would overwrite or mix its own output into.
-RUN_OUTPUTS = ("checkpoints", METRICS_FILE, "tensorboard", "hf")
+RUN_OUTPUTS = ("checkpoints", METRICS_FILE, TENSORBOARD_DIR, "hf")
 # A resumed run must have the same model and data as the checkpoint (else it is another run).
 MUST_MATCH = ("model.", "data.kind", "data.sources", "data.tokenizer")
 # Keys that shape the LR schedule: changing them on resume needs train.resume_schedule.
@@ -72,7 +73,7 @@ def previous_run(out_dir: Path) -> str | None:
     metrics = out_dir / METRICS_FILE
     if metrics.is_file() and metrics.stat().st_size:
         found.append(f"{METRICS_FILE} ({sum(1 for _ in metrics.open())} records)")
-    found += [f"{name}/" for name in ("tensorboard", "hf") if (out_dir / name).is_dir()]
+    found += [f"{name}/" for name in (TENSORBOARD_DIR, "hf") if (out_dir / name).is_dir()]
     return ", ".join(found) or None
 
 

@@ -231,17 +231,30 @@ def _with_mrope(foundation: Any, section: list[int]) -> Any:
     return cfg
 
 
+def composed_hf_config(cfg: Any, dtype: torch.dtype, *, arch: str, model_type: str, rope: dict[str, Any],
+                       vision: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """config.json of a VLM: the foundation as ``<model_type>_text`` with ``rope`` added to its RoPE
+    parameters, ``vision`` as the vision config, the token ids and tied embeddings at the top."""
+    f = cfg.foundation
+    plain = dataclasses.replace(f, mrope_section=None, mrope_interleaved=False)
+    text = to_hf_config(plain, dtype)
+    dtype_name = text.pop("dtype")
+    for key in ("architectures", "tie_word_embeddings"):
+        text.pop(key)
+    text["model_type"] = f"{model_type}_text"
+    text["rope_parameters"] = {**text["rope_parameters"], **rope}
+    out = {"architectures": [arch], "model_type": model_type, "text_config": text,
+           "vision_config": {"model_type": f"{model_type}_vision", **vision},
+           "tie_word_embeddings": f.tie_word_embeddings, "dtype": dtype_name}  # fmt: skip
+    out.update({k: v for k, v in dataclasses.asdict(cfg.vision_token_ids).items() if v is not None})
+    return out
+
+
 def qwen25_vl_to_hf(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
     """Loong ModelConfig -> config.json that transformers reads as Qwen2.5-VL."""
     f, e, tps = cfg.foundation, cfg.image_encoder, cfg.tokens_per_second
-    plain = dataclasses.replace(f, mrope_section=None)
-    text = to_hf_config(plain, dtype)
-    for key in ("architectures", "dtype", "tie_word_embeddings"):
-        text.pop(key)
-    text["model_type"] = "qwen2_5_vl_text"
-    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(f.mrope_section)}
     vision = {
-        "model_type": "qwen2_5_vl_vision", "depth": e.num_layers, "hidden_size": e.hidden_size,
+        "depth": e.num_layers, "hidden_size": e.hidden_size,
         "intermediate_size": e.ffn_hidden_size, "num_heads": e.num_attention_heads, "hidden_act": "silu",
         "in_channels": e.in_channels, "patch_size": e.patch_size, "temporal_patch_size": e.temporal_patch_size,
         "spatial_merge_size": e.spatial_merge_size, "window_size": e.window_size,
@@ -251,31 +264,31 @@ def qwen25_vl_to_hf(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
         # an int in transformers' (strict) vision config
         "tokens_per_second": int(tps) if float(tps).is_integer() else tps,
     }  # fmt: skip
-    out = {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "model_type": "qwen2_5_vl",
-        "text_config": text,
-        "vision_config": vision,
-        "tie_word_embeddings": f.tie_word_embeddings,
-        "dtype": to_hf_config(plain, dtype)["dtype"],
-    }
-    out.update({k: v for k, v in dataclasses.asdict(cfg.vision_token_ids).items() if v is not None})
-    return out
+    return composed_hf_config(cfg, dtype, arch="Qwen2_5_VLForConditionalGeneration", model_type="qwen2_5_vl",
+                              rope={"mrope_section": list(f.mrope_section)}, vision=vision)  # fmt: skip
 
 
-def qwen25_vl_same(a: Any, b: Any) -> bool:
+def same_composed(a: Any, b: Any, encoder_arch: tuple[str, ...], projector_arch: tuple[str, ...],
+                  model_keys: tuple[str, ...]) -> bool:  # fmt: skip
+    """Two VLM configs describe the same architecture: foundation (multimodal RoPE included), the
+    listed encoder / projector fields and model-level keys."""
+
     def fields(c: Any, names: tuple[str, ...]) -> dict[str, Any]:
         d = dataclasses.asdict(c)
         return {k: d.get(k) for k in names}
 
+    fa, fb = a.foundation, b.foundation
     return (
-        same_architecture(a.foundation, b.foundation)
-        and a.foundation.mrope_section == b.foundation.mrope_section
-        and same_value(fields(a.image_encoder, _ENCODER_ARCH), fields(b.image_encoder, _ENCODER_ARCH))
-        and same_value(fields(a.image_projector, _PROJECTOR_ARCH), fields(b.image_projector, _PROJECTOR_ARCH))
-        and a.vision_token_ids == b.vision_token_ids
-        and same_value(a.tokens_per_second, b.tokens_per_second)
+        same_architecture(fa, fb)
+        and (fa.mrope_section, fa.mrope_interleaved) == (fb.mrope_section, fb.mrope_interleaved)
+        and same_value(fields(a.image_encoder, encoder_arch), fields(b.image_encoder, encoder_arch))
+        and same_value(fields(a.image_projector, projector_arch), fields(b.image_projector, projector_arch))
+        and all(same_value(getattr(a, k, None), getattr(b, k, None)) for k in model_keys)
     )
+
+
+def qwen25_vl_same(a: Any, b: Any) -> bool:
+    return same_composed(a, b, _ENCODER_ARCH, _PROJECTOR_ARCH, (*_TOKEN_IDS, "tokens_per_second"))
 
 
 QWEN25_VL = ModelMapping(

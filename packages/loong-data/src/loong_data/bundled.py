@@ -9,6 +9,9 @@ SHAKESPEARE_TOKENIZER = _ROOT / "tokenizers" / "shakespeare-bpe-8k" / "tokenizer
 CHAT_TOKENIZER_DIR = _ROOT / "tokenizers" / "shakespeare-bpe-8k-chat"
 VLM_SAMPLE_DIR = _ROOT / "corpus" / "vlm_sample"
 SHAKESPEARE_CHAT = _ROOT / "corpus" / "shakespeare_chat" / "qa.jsonl"
+# SentencePiece (Mistral v1, 32000 pieces) as an HF tokenizer folder: the Wan text encoder's
+# (built by loong_data.tools.build_spm_tokenizer)
+SPM_TOKENIZER = _ROOT / "tokenizers" / "mistral-spm-32k"
 
 
 def default_corpus() -> Path:

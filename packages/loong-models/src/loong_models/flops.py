@@ -79,7 +79,9 @@ def training_flops(model: ModelConfig, counts: Work) -> float:
 
 def _vision_flops(model: ModelConfig, counts: Work) -> float:
     e, merge = model.image_encoder, model.image_encoder.spatial_merge_size
-    projector = model.image_projector.num_parameters(e.hidden_size, merge, model.foundation.hidden_size)
+    # the projector and Qwen3-VL's DeepStack mergers each run on the merged tokens
+    projector = model.image_projector.num_parameters(e.hidden_size, merge, model.foundation.hidden_size,
+                                                     len(e.deepstack_visual_indexes))  # fmt: skip
     full_layers = len(set(e.fullatt_block_indexes)) if get_encoder_type(e.type).windows else e.num_layers
     pairs = full_layers * counts.full_pairs + (e.num_layers - full_layers) * counts.window_pairs
     return (

@@ -99,6 +99,10 @@ class ModelConfig:
             if v is not None and not 0 <= v < self.foundation.vocab_size:
                 raise ValueError(f"{prefix}.{key}={v} is outside the vocabulary (foundation.vocab_size="
                                  f"{self.foundation.vocab_size})")  # fmt: skip
+        deep = len(self.image_encoder.deepstack_visual_indexes)
+        if deep > self.foundation.num_layers:
+            raise ValueError(f"{prefix}.image_encoder.deepstack_visual_indexes feeds {deep} foundation layers but "
+                             f"{prefix}.foundation.num_layers={self.foundation.num_layers}")  # fmt: skip
         etp, ptp = (
             self.image_encoder.tensor_model_parallel_size,
             self.image_projector.tensor_model_parallel_size,
@@ -147,7 +151,7 @@ class ModelConfig:
             e = self.image_encoder
             n += e.num_parameters()
             n += self.image_projector.num_parameters(
-                e.hidden_size, e.spatial_merge_size, self.foundation.hidden_size
+                e.hidden_size, e.spatial_merge_size, self.foundation.hidden_size, len(e.deepstack_visual_indexes)
             )
         return n
 
@@ -265,6 +269,7 @@ def build_model(
         post_process=post_process,
         vp_stage=vp_stage,
         scatter_embedding_sequence_parallel=not cfg.is_multimodal,
+        deepstack=cfg.is_multimodal and bool(cfg.image_encoder.deepstack_visual_indexes),
     )
     if not cfg.is_multimodal:
         return _with_lora(cfg, foundation, {"foundation": foundation})
@@ -288,7 +293,9 @@ def build_model(
         projector = ImageProjector(
             proj_cfg, pconfig, encoder_hidden=enc_cfg.hidden_size, merge=enc_cfg.spatial_merge_size,
             layer_backend=backend, tp_group=encoder_pg_collection.tp if encoder_pg_collection is not None else None,
+            num_deepstack=len(enc_cfg.deepstack_visual_indexes),
         )  # fmt: skip
+        _check_deepstack_stage(foundation, len(enc_cfg.deepstack_visual_indexes))
         for module, component in ((encoder, enc_cfg), (projector, proj_cfg)):
             _apply_component_settings(module, component.freeze, replicated=etp < ftp)
     model = OmniCombinationModel(
@@ -300,6 +307,16 @@ def build_model(
     )  # fmt: skip
     # encoder and projector: None on pipeline stages after the first
     return _with_lora(cfg, model, {"foundation": foundation, "image_encoder": encoder, "image_projector": projector})
+
+
+def _check_deepstack_stage(foundation: torch.nn.Module, layers: int) -> None:
+    """DeepStack features enter on the first pipeline stage: it must hold the layers they feed."""
+    held = {layer.layer_number for layer in foundation.decoder.layers}
+    missing = sorted(set(range(1, layers + 1)) - held)
+    if missing:
+        raise ValueError(f"model.image_encoder.deepstack_visual_indexes feeds foundation layers 0..{layers - 1}, "
+                         f"but the first pipeline stage lacks layers {[m - 1 for m in missing]}; "
+                         "use fewer pipeline stages or a layout that puts them there")  # fmt: skip
 
 
 def _build_diffusion(cfg: ModelConfig, config: TransformerConfig, backend: str) -> WanModel:

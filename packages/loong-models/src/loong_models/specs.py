@@ -91,12 +91,26 @@ def spec_provider(backend: str) -> BackendSpecProvider:
     return LocalSpecProvider()
 
 
-def decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: int | None = None):
+def decoder_block_spec(
+    config: TransformerConfig, *, backend: str, vp_stage: int | None = None, deepstack: bool = False
+):
     """Layer specs for the decoder layers of this pipeline stage, plus the final norm.
 
     ``te``: megatron-core's TE spec as is. ``local``: megatron-core's local modules with
     :class:`SDPAttention` as core attention and Loong's :class:`RMSNorm` for every norm.
+    ``deepstack``: the layers are :class:`~loong_models.foundation.deepstack.DeepStackLayer`
+    (the same modules; they add DeepStack vision features to their output).
     """
+    block = _decoder_block_spec(config, backend=backend, vp_stage=vp_stage)
+    if not deepstack:
+        return block
+    from loong_models.foundation.deepstack import DeepStackLayer
+
+    layers = [dataclasses.replace(s, module=DeepStackLayer) for s in block.layer_specs]
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+def _decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: int | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(

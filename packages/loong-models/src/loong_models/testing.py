@@ -133,8 +133,9 @@ def vision_tokens(kind: int, grid) -> list[int]:
     return [VS] + [kind] * (t * h * w // 4) + [VE]
 
 
-def packed_batch(seed: int = 0):
-    """Two documents: text + image + text + video clip + text, and plain text."""
+def packed_batch(seed: int = 0, patch_dim: int = 1176):
+    """Two documents: text + image + text + video clip + text, and plain text (``patch_dim``: the
+    encoder's, 3*2*14*14 for Qwen2.5-VL, 3*2*16*16 for Qwen3-VL)."""
     g = torch.Generator().manual_seed(seed)
     image, video = (1, 4, 6), (2, 4, 4)
     doc1 = [5, 6] + vision_tokens(IMG, image) + [7, 8] + vision_tokens(VID, video) + [9]
@@ -145,6 +146,6 @@ def packed_batch(seed: int = 0):
         input_ids=tokens, position_ids=None, attention_mask=None,
         labels=torch.randint(0, 8192, tokens.shape, generator=g),
         packed_seq_params=packed_seq_params(cu, len(doc1)),
-        pixel_values=torch.randn(24, 1176, generator=g), image_grid_thw=torch.tensor([image]),
-        pixel_values_videos=torch.randn(32, 1176, generator=g), video_grid_thw=torch.tensor([video]),
+        pixel_values=torch.randn(24, patch_dim, generator=g), image_grid_thw=torch.tensor([image]),
+        pixel_values_videos=torch.randn(32, patch_dim, generator=g), video_grid_thw=torch.tensor([video]),
     )  # fmt: skip

@@ -12,6 +12,7 @@ from loong_parallel.balance import (
     TrainBalancer,
     build_balancer,
 )
+from loong_parallel.capabilities import require_features
 from loong_parallel.config import ParallelConfig
 from loong_parallel.diffusion import DiffusionModel
 from loong_parallel.distributed import (
@@ -33,6 +34,7 @@ from loong_parallel.rng import rng_state, seed_everything, set_rng_state
 from loong_parallel.runtime import runtime_transformer_fields
 from loong_parallel.schedule import microbatch_iterators, schedule_shape
 from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
+from loong_parallel.step_window import StepWindow
 
 __version__ = "0.1.0"
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "QuadraticCost",
     "RouterStats",
     "StepResult",
+    "StepWindow",
     "TrainBalancer",
     "build_balancer",
     "build_model_chunks",
@@ -67,6 +70,7 @@ __all__ = [
     "lm_forward_step",
     "masked_token_loss",
     "microbatch_iterators",
+    "require_features",
     "rng_state",
     "runtime_transformer_fields",
     "schedule_shape",

@@ -122,6 +122,9 @@ def encoder_layout_errors(layout: str, model_cfg, tp: int) -> list[str]:
     if etp != 1:
         return [f"parallel.encoder_layout=hetero_dp needs model.image_encoder.tensor_model_parallel_size=1 "
                 f"(each TP rank holds a whole encoder), got {etp} (null = the foundation's parallel.tp={tp})"]  # fmt: skip
+    if model_cfg.image_encoder.deepstack_visual_indexes:  # the layout returns the last layer's tokens only
+        return ["parallel.encoder_layout=hetero_dp does not carry DeepStack features yet "
+                "(model.image_encoder.deepstack_visual_indexes is set); use parallel.encoder_layout=shared"]  # fmt: skip
     return []
 
 

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 
-from loong_ckpt.testing.hf_models import hf_logits, hf_vlm_logits, make_hf_model, make_hf_vlm, vlm_inputs
+from loong_ckpt.testing.hf_models import (
+    hf_logits,
+    hf_vlm_logits,
+    make_hf_model,
+    make_hf_qwen3_vl,
+    make_hf_vlm,
+    vlm_inputs,
+)
 from loong_xpu.testing import launch_env
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -96,6 +103,21 @@ def get_converted_vlm(tmp_path_factory) -> Converted:
         _CONVERTED["qwen2.5-vl"] = Converted("qwen2.5-vl", hf, base / "ckpt", base / "inputs.pt",
                                              hf_vlm_logits(hf, inputs))  # fmt: skip
     return _CONVERTED["qwen2.5-vl"]
+
+
+def get_converted_qwen3_vl(tmp_path_factory) -> Converted:
+    """The tiny Qwen3-VL, its Loong checkpoint and HF's logits on a real image + text, made once."""
+    from loong_ckpt import hf_to_mcore
+
+    if "qwen3-vl" not in _CONVERTED:
+        base = tmp_path_factory.mktemp("qwen3-vl")
+        hf = make_hf_qwen3_vl(base / "hf", max_shard_size="100KB")
+        hf_to_mcore(hf, base / "ckpt", progress=False)
+        inputs = vlm_inputs(patch_size=16)
+        torch.save(inputs, base / "inputs.pt")
+        _CONVERTED["qwen3-vl"] = Converted("qwen3-vl", hf, base / "ckpt", base / "inputs.pt",
+                                           hf_vlm_logits(hf, inputs))  # fmt: skip
+    return _CONVERTED["qwen3-vl"]
 
 
 class DictReader:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+
+from loong_data.bundled import VLM_SAMPLE_DIR
 
 _UNSET = object()  # a base kwarg this family's config does not take
 _MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True)
@@ -74,9 +77,9 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 VLM_TOKENS = {
     "image_token_id": 990, "video_token_id": 991, "vision_start_token_id": 992, "vision_end_token_id": 993,
 }  # fmt: skip
-# A real photo (scikit-image's "chelsea", bundled with loong-data's multimodal sample).
-# (the repository root is 5 levels up: packages/loong-ckpt/src/loong_ckpt/testing/)
-IMAGE = Path(__file__).parents[5] / "packages/loong-data/src/loong_data/corpus/vlm_sample/images/chelsea.jpg"
+# A real photo (scikit-image's "chelsea", bundled with loong-data's multimodal sample: package
+# data, so it is found in an installed wheel as in the repository).
+IMAGE = VLM_SAMPLE_DIR / "images" / "chelsea.jpg"
 
 
 def make_hf_vlm(path: Path, *, tie: bool = False, seed: int = 0, max_shard_size: str | None = None,
@@ -99,9 +102,15 @@ def make_hf_vlm(path: Path, *, tie: bool = False, seed: int = 0, max_shard_size:
         ),
         tie_word_embeddings=tie, **VLM_TOKENS,
     )  # fmt: skip
+    return _save_random(transformers.Qwen2_5_VLForConditionalGeneration, config, path, seed, max_shard_size)
+
+
+def _save_random(cls, config, path: Path, seed: int, max_shard_size: str | None) -> Path:
+    """A random ``cls(config)`` in fp32, norms and biases perturbed too (so that a swapped tensor
+    cannot go unnoticed), saved with ``save_pretrained``."""
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # random norms and biases too, so that a swapped tensor cannot go unnoticed
+    model = cls(config).to(torch.float32)
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_q" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
@@ -110,16 +119,40 @@ def make_hf_vlm(path: Path, *, tie: bool = False, seed: int = 0, max_shard_size:
     return path
 
 
-def vlm_inputs(image: Path = IMAGE, seed: int = 1) -> dict[str, torch.Tensor]:
+def make_hf_qwen3_vl(path: Path, *, tie: bool = False, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """A tiny random ``Qwen3VLForConditionalGeneration`` (Qwen3-VL's patch geometry: 16 px, 2 frames,
+    merge 2; a 6 x 6 learned position table, resized for the image; DeepStack from ViT layers 2
+    and 0 into LLM layers 0 and 1, listed out of order so that the order is checked)."""
+    import transformers
+
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=512, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True},
+        ),
+        vision_config=dict(
+            depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+            temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=36, deepstack_visual_indexes=[2, 0],
+        ),
+        tie_word_embeddings=tie, **VLM_TOKENS,
+    )  # fmt: skip
+    return _save_random(transformers.Qwen3VLForConditionalGeneration, config, path, seed, max_shard_size)
+
+
+def vlm_inputs(image: Path = IMAGE, seed: int = 1, patch_size: int = 14) -> dict[str, torch.Tensor]:
     """Text with one image, as HF's Qwen2-VL image processor prepares it: ``input_ids [1, S]``
     (``<|vision_start|>``, one ``<|image_pad|>`` per merged patch, ``<|vision_end|>`` between random
-    text), ``pixel_values [N, 3*2*14*14]``, ``image_grid_thw [1, 3]``."""
+    text), ``pixel_values [N, 3*2*P*P]``, ``image_grid_thw [1, 3]`` (``patch_size`` P: 14 for
+    Qwen2.5-VL, 16 for Qwen3-VL)."""
     import transformers
     from PIL import Image
 
+    unit = 4 * patch_size  # two merge blocks
     proc = transformers.Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 56 * 56, "longest_edge": 112 * 168}, patch_size=14, temporal_patch_size=2,
-        merge_size=2,
+        size={"shortest_edge": unit * unit, "longest_edge": 2 * unit * 3 * unit}, patch_size=patch_size,
+        temporal_patch_size=2, merge_size=2,
     )  # fmt: skip
     out = proc(images=[Image.open(image)], return_tensors="pt")
     grid = out["image_grid_thw"]
@@ -137,10 +170,11 @@ def vlm_inputs(image: Path = IMAGE, seed: int = 1) -> dict[str, torch.Tensor]:
 def hf_vlm_logits(path: Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     import transformers
 
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    config = json.loads((Path(path) / "config.json").read_text())
+    model = getattr(transformers, config["architectures"][0]).from_pretrained(path, dtype=torch.float32)  # 2.5 / 3
     model.eval()
     ids = inputs["input_ids"]
     # mm_token_type_ids (as the HF processor returns them) make transformers use the 3-D positions
-    types = (ids == VLM_TOKENS["image_token_id"]).long()
+    types = (ids == config["image_token_id"]).long()
     with torch.no_grad():
         return model(**inputs, mm_token_type_ids=types).logits

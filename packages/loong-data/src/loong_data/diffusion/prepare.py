@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from loong_data.bundled import SPM_TOKENIZER
 from loong_data.diffusion.media import CaptionedMedia
 from loong_data.log import logger
 
@@ -31,7 +32,6 @@ META = "meta.json"
 # the CLI's default; the train app passes the model config's own.
 TINY_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True])
 TINY_TEXT_ENCODER = dict(vocab_size=32000, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)
-SPM_TOKENIZER = Path(__file__).resolve().parents[1] / "tokenizers" / "mistral-spm-32k"
 
 
 @dataclass(frozen=True)

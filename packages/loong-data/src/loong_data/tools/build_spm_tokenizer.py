@@ -14,7 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "tokenizers" / "mistral-spm-32k"
+from loong_data.bundled import SPM_TOKENIZER
+
+OUT = SPM_TOKENIZER
 
 
 def build(out: Path = OUT) -> Path:

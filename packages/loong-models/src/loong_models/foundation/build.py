@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from loong_models.foundation.config import FoundationConfig
 from loong_models.foundation.families import get_family
+from loong_models.foundation.mrope import InterleavedMultimodalRotaryEmbedding
 from loong_models.specs import decoder_block_spec
 
 
@@ -146,14 +147,17 @@ def build_foundation(
     post_process: bool = True,
     vp_stage: int | None = None,
     scatter_embedding_sequence_parallel: bool = True,
+    deepstack: bool = False,
 ) -> GPTModel:
     """One pipeline stage (``pre_process``: has the embedding; ``post_process``: has the head).
     ``scatter_embedding_sequence_parallel=False``: the embedding leaves the sequence whole under
-    sequence parallelism (a VLM writes image features into it first, then scatters)."""
+    sequence parallelism (a VLM writes image features into it first, then scatters).
+    ``deepstack``: layers that add DeepStack vision features (foundation/deepstack.py)."""
     rs = cfg.rope_scaling
+    spec = decoder_block_spec(config, backend=layer_backend, vp_stage=vp_stage, deepstack=deepstack)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, backend=layer_backend, vp_stage=vp_stage),
+        transformer_layer_spec=spec,
         vocab_size=cfg.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
@@ -167,6 +171,13 @@ def build_foundation(
         rope_scaling_factor=rs.factor if rs is not None else 8.0,
         vp_stage=vp_stage,
     )
+    if cfg.mrope_interleaved:  # Qwen3-VL's frequency layout (megatron knows the block layout only)
+        old = model.rotary_pos_emb
+        model.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
+            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_interleaved=config.rotary_interleaved,
+            seq_len_interpolation_factor=old.seq_len_interpolation_factor, rotary_base=int(cfg.rotary_base),
+            cp_group=old.cp_group,
+        )  # fmt: skip
     if cfg.freeze:
         for p in model.parameters():
             p.requires_grad_(False)

@@ -78,6 +78,8 @@ class FoundationConfig:
     # Multimodal RoPE (Qwen2-VL / 2.5-VL): rotary frequency pairs given to the temporal, height
     # and width positions, e.g. [16, 24, 24] for head dim 128; null = plain 1-D RoPE.
     mrope_section: list[int] | None = None
+    # Interleaved multimodal RoPE (Qwen3-VL): frequencies take t, h, w in turn instead of blocks.
+    mrope_interleaved: bool = False
     # Multi-latent attention sizes (families with attention="mla"); replaces the GQA head sizes.
     mla: MLAConfig | None = None
     # DeepSeek sparse attention (families with sparse_attention=True); needs `mla`.
@@ -124,6 +126,8 @@ class FoundationConfig:
                 f"{prefix}.num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"{prefix}.num_query_groups={self.query_groups}"
             )
+        if self.mrope_interleaved and self.mrope_section is None:
+            raise ValueError(f"{prefix}.mrope_interleaved=true needs {prefix}.mrope_section")
         if self.mrope_section is not None:
             if self.mla is not None or self.rope_scaling is not None:
                 raise ValueError(f"{prefix}.mrope_section cannot be combined with MLA or rope_scaling")

@@ -23,6 +23,9 @@ class EncoderType:
     windows: bool  # window attention in the layers not in fullatt_block_indexes (Qwen2.5-VL)
     post_norm: bool  # a final norm after the last layer (SigLIP's post_layernorm)
     hf_model_type: str = ""
+    # how the learned position table is resized to another grid: "bicubic" (SigLIP, as HF's
+    # interpolate_pos_encoding) or "bilinear_corners" (Qwen3-VL: bilinear, align_corners=True)
+    position_interpolation: str = "bicubic"
 
 
 ENCODER_TYPES: dict[str, EncoderType] = {
@@ -34,6 +37,12 @@ ENCODER_TYPES: dict[str, EncoderType] = {
         EncoderType("siglip", normalization=Norm.LayerNorm, gated_mlp=False, activation=Activation.gelu_tanh,
                     patch_bias=True, rope_2d=False, learned_positions=True, windows=False, post_norm=True,
                     hf_model_type="siglip_vision_model"),
+        # Qwen3-VL: LayerNorm, GELU (tanh) MLP, biased patch embedding, learned positions
+        # (bilinear-resized) added to the patches *and* 2-D RoPE in attention; DeepStack features
+        # from deepstack_visual_indexes (the projector merges them, the foundation adds them)
+        EncoderType("qwen3-vit", normalization=Norm.LayerNorm, gated_mlp=False, activation=Activation.gelu_tanh,
+                    patch_bias=True, rope_2d=True, learned_positions=True, windows=False, post_norm=False,
+                    hf_model_type="qwen3_vl", position_interpolation="bilinear_corners"),
     )
 }  # fmt: skip
 
@@ -76,6 +85,10 @@ class ImageEncoderConfig:
     # patches a side, as HF); other grids use the table
     # resized bicubically (as HF's interpolate_pos_encoding), so any resolution works.
     image_size: int = 224
+    # DeepStack (Qwen3-VL): 0-based encoder layers whose outputs are projected (one extra merger
+    # each, in the image projector) and added to the foundation's hidden states at the image
+    # tokens after its layers 0, 1, ... (in this order); empty = off.
+    deepstack_visual_indexes: list[int] = field(default_factory=list)
     # Component-level overrides of the global settings (principle 4 of DESIGN.md). The encoder's
     # tensor-parallel size must divide the foundation's; null = the foundation's.
     tensor_model_parallel_size: int | None = None
@@ -111,6 +124,11 @@ class ImageEncoderConfig:
         bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"{prefix}.fullatt_block_indexes has {bad}, outside 0..{self.num_layers - 1}")
+        bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"{prefix}.deepstack_visual_indexes has {bad}, outside 0..{self.num_layers - 1}")
+        if len(set(self.deepstack_visual_indexes)) != len(self.deepstack_visual_indexes):
+            raise ValueError(f"{prefix}.deepstack_visual_indexes={list(self.deepstack_visual_indexes)} lists a layer twice")
         if t.learned_positions and self.image_size < self.patch_size:
             raise ValueError(
                 f"{prefix}.image_size={self.image_size} is smaller than patch_size={self.patch_size}"

@@ -169,16 +169,21 @@ class ImageEncoder(MegatronModule):
             if (h, w) not in resized:
                 if (h, w) == (side, side):
                     resized[h, w] = table
-                else:  # as HF SiglipVisionEmbeddings.interpolate_pos_encoding
-                    grid = F.interpolate(
-                        table.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False
-                    )
+                else:  # SigLIP: HF's interpolate_pos_encoding; Qwen3-VL: bilinear, corners aligned
+                    corners = self.encoder_type.position_interpolation == "bilinear_corners"
+                    grid = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w),
+                                         mode="bilinear" if corners else "bicubic", align_corners=corners)  # fmt: skip
                     resized[h, w] = grid[0].permute(1, 2, 0)
             out.append(resized[h, w][rows[start : start + n], cols[start : start + n]])
             start += n
         return torch.cat(out)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.encode(pixel_values, grid_thw)[0]
+
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(features [N, hidden], deepstack)``: the last layer's patch features and, for each of
+        ``deepstack_visual_indexes``, that layer's output (both in input order)."""
         cfg, t = self.cfg, self.encoder_type
         n = num_patches(grid_thw)
         if pixel_values.dim() != 2 or pixel_values.shape != (n, cfg.patch_dim):
@@ -207,7 +212,13 @@ class ImageEncoder(MegatronModule):
             rope = rope[order] if rope is not None else None
             params.window = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_w, cu_seqlens_kv=cu_w,
                                             max_seqlen_q=longest_w, max_seqlen_kv=longest_w)  # fmt: skip
-        h = self.decoder(x[:, None], attention_mask=None, rotary_pos_emb=rope, packed_seq_params=params)[:, 0]
+        taps = cfg.deepstack_visual_indexes
+        out = self.decoder(x[:, None], attention_mask=None, rotary_pos_emb=rope, packed_seq_params=params,
+                           extract_layer_indices=set(taps))  # fmt: skip
+        h, found = out if taps else (out, [])
+        # megatron returns the taps in layer order; deepstack_visual_indexes may list them in any
+        found = dict(zip(sorted(set(taps)), found))
+        feats = [h[:, 0]] + [found[i][:, 0] for i in taps]
         if order is not None:  # back to input order: the projector merges consecutive patches
-            h = torch.empty_like(h).index_copy_(0, order, h)
-        return h
+            feats = [torch.empty_like(f).index_copy_(0, order, f) for f in feats]
+        return feats[0], feats[1:]

@@ -41,7 +41,9 @@ class ImageProjectorConfig:
     def ffn_size(self, encoder_hidden: int, merge: int) -> int:
         return self.ffn_hidden_size or self.input_size(encoder_hidden, merge)
 
-    def num_parameters(self, encoder_hidden: int, merge: int, out_size: int) -> int:
+    def num_parameters(self, encoder_hidden: int, merge: int, out_size: int, num_deepstack: int = 0) -> int:
+        """Exact count; ``num_deepstack`` DeepStack mergers (norm over the merged width) included."""
         i, f = self.input_size(encoder_hidden, merge), self.ffn_size(encoder_hidden, merge)
-        norm = {None: 0, "RMSNorm": encoder_hidden, "LayerNorm": 2 * encoder_hidden}[self.norm]
-        return norm + i * f + f * out_size + ((f + out_size) if self.bias else 0)
+        per = {None: 0, "RMSNorm": 1, "LayerNorm": 2}[self.norm]
+        mlp = i * f + f * out_size + ((f + out_size) if self.bias else 0)
+        return per * encoder_hidden + mlp + num_deepstack * (per * i + mlp)

@@ -44,9 +44,23 @@ def build_projector_transformer_config(
     return TransformerConfig(**fields)
 
 
+class MegatronModuleList(torch.nn.ModuleList):
+    """A ModuleList of MegatronModules whose checkpoint keys keep each member's own sharding
+    (megatron treats a plain ModuleList's tensors as replicated over TP)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        return {k: v for j, m in enumerate(self) for k, v in m.sharded_state_dict(f"{prefix}{j}.", sharded_offsets,
+                                                                                  metadata).items()}  # fmt: skip
+
+
 class ImageProjector(MegatronModule):
     """``forward(x [N, encoder_hidden]) -> [N / merge**2, out_size]``; modules ``norm`` (optional)
-    and ``mlp.linear_fc1`` / ``mlp.linear_fc2``."""
+    and ``mlp.linear_fc1`` / ``mlp.linear_fc2``.
+
+    With ``num_deepstack`` > 0 (Qwen3-VL's DeepStack) it also holds ``deepstack.<j>``: one more
+    merger per DeepStack encoder layer, the same MLP with its norm over the merged
+    ``merge**2 * encoder_hidden`` features (HF's ``use_postshuffle_norm``); :meth:`project_deepstack`
+    runs them."""
 
     def __init__(
         self,
@@ -57,18 +71,27 @@ class ImageProjector(MegatronModule):
         merge: int,
         layer_backend: str,
         tp_group: torch.distributed.ProcessGroup | None = None,
+        num_deepstack: int = 0,
+        postshuffle_norm: bool = False,
     ) -> None:
         super().__init__(config=config)
         self.merge_unit = merge * merge
+        self.postshuffle_norm = postshuffle_norm
+        width = encoder_hidden * self.merge_unit if postshuffle_norm else encoder_hidden
         if cfg.norm == "RMSNorm":
-            self.norm = RMSNorm(config, encoder_hidden, eps=cfg.norm_epsilon)
+            self.norm = RMSNorm(config, width, eps=cfg.norm_epsilon)
         elif cfg.norm == "LayerNorm":
-            self.norm = torch.nn.LayerNorm(encoder_hidden, eps=cfg.norm_epsilon, dtype=config.params_dtype)
+            self.norm = torch.nn.LayerNorm(width, eps=cfg.norm_epsilon, dtype=config.params_dtype)
         else:
             self.norm = None
         self.mlp = MLP(config, projector_mlp_spec(layer_backend), input_size=cfg.input_size(encoder_hidden, merge),
-            ffn_hidden_size=config.ffn_hidden_size,
-                       tp_group=tp_group)  # fmt: skip
+                       ffn_hidden_size=config.ffn_hidden_size, tp_group=tp_group)  # fmt: skip
+        if num_deepstack:
+            self.deepstack = MegatronModuleList(
+                ImageProjector(cfg, config, encoder_hidden=encoder_hidden, merge=merge, layer_backend=layer_backend,
+                               tp_group=tp_group, postshuffle_norm=True)  # fmt: skip
+                for _ in range(num_deepstack)
+            )
 
     def set_input_tensor(self, input_tensor) -> None:  # the projector never sits on a later PP stage
         pass
@@ -78,9 +101,18 @@ class ImageProjector(MegatronModule):
             raise ValueError(
                 f"{x.shape[0]} patches do not split into groups of {self.merge_unit} (merge_size**2)"
             )
+        merged = x.shape[-1] * self.merge_unit
         if self.norm is not None:
-            x = self.norm(x)
+            x = self.norm(x.reshape(-1, merged)) if self.postshuffle_norm else self.norm(x)
         # megatron's linears expect [s, b, h]
-        out, bias = self.mlp(x.reshape(-1, 1, self.merge_unit * x.shape[-1]))
+        out, bias = self.mlp(x.reshape(-1, 1, merged))
         out = out if bias is None else out + bias
         return out[:, 0]
+
+    def project_deepstack(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The DeepStack encoder layers' features, each through its own merger."""
+        mergers = getattr(self, "deepstack", ())
+        if len(features) != len(mergers):
+            raise ValueError(f"{len(features)} DeepStack feature maps for {len(mergers)} DeepStack mergers "
+                             "(model.image_encoder.deepstack_visual_indexes)")  # fmt: skip
+        return [m(f) for m, f in zip(mergers, features)]

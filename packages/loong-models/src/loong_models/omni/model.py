@@ -125,8 +125,29 @@ class OmniCombinationModel(MegatronModule):
             return self.vision_encode(self, pixel_values, grid_thw)
         return self.image_projector(self.image_encoder(pixel_values, grid_thw))
 
-    def _merge(self, input_ids, embeddings, media) -> torch.Tensor:
-        """Write each kind's vision embeddings over its placeholder tokens (in order)."""
+    @property
+    def deepstack_layers(self) -> int:
+        """How many foundation layers take DeepStack features (0: none)."""
+        return len(self.image_encoder.cfg.deepstack_visual_indexes) if self.image_encoder is not None else 0
+
+    def _vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Projected vision tokens and, with DeepStack, each DeepStack layer's projected features."""
+        if not self.deepstack_layers:
+            return self.vision_embeddings(pixel_values, grid_thw), []
+        if self.vision_encode is not None:
+            raise ValueError("model.image_encoder.deepstack_visual_indexes with a parallel encoder layout "
+                             "(encoder_layout / hetero DP) is not supported yet; use the default layout")  # fmt: skip
+        h, feats = self.image_encoder.encode(pixel_values, grid_thw)
+        merged = self.image_projector.project_deepstack(feats)  # merger j on tap j
+        # foundation layer k takes the k-th shallowest tap (HF Qwen3-VL collects them in layer order)
+        taps = self.image_encoder.cfg.deepstack_visual_indexes
+        return self.image_projector(h), [merged[j] for j in sorted(range(len(taps)), key=taps.__getitem__)]
+
+    def _merge(self, input_ids, embeddings, media) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write each kind's vision embeddings over its placeholder tokens (in order). Returns the
+        embeddings and the DeepStack additions ``[K, S, B, H]`` (zero at text tokens; None without
+        DeepStack or media)."""
+        deep = None
         for token_id, pixels, grid, kind in media:
             mask = input_ids[0] == token_id if token_id is not None else None
             count = int(mask.sum()) if mask is not None else 0
@@ -138,13 +159,16 @@ class OmniCombinationModel(MegatronModule):
                 continue
             if grid is None:
                 raise ValueError(f"pixel values for {kind}s given without their grid_thw")
-            vision = self.vision_embeddings(pixels, grid)
+            vision, feats = self._vision(pixels, grid)
             if vision.shape[0] != count:
                 raise ValueError(f"{kind}s give {vision.shape[0]} tokens (grid_thw {grid.tolist()}, merge "
                                  f"{self.spatial_merge_size}) but the text has {count} placeholder tokens")  # fmt: skip
             index = mask.nonzero()[:, 0]
             embeddings = embeddings.index_copy(0, index, vision.to(embeddings.dtype)[:, None, :])
-        return embeddings
+            if feats:
+                deep = embeddings.new_zeros(len(feats), *embeddings.shape) if deep is None else deep
+                deep = deep.index_copy(1, index, torch.stack(feats).to(deep.dtype)[:, :, None, :])
+        return embeddings, deep
 
     def forward(
         self,
@@ -169,13 +193,17 @@ class OmniCombinationModel(MegatronModule):
                 raise ValueError(f"media need one packed sequence per micro-batch (input_ids [1, S]), "
                                  f"got {tuple(input_ids.shape)}")  # fmt: skip
             embeddings = self.foundation.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
-            embeddings = self._merge(input_ids, embeddings, (
+            embeddings, deep = self._merge(input_ids, embeddings, (
                 (self.token_ids.image_token_id, pixel_values, image_grid_thw, "image"),
                 (self.token_ids.video_token_id, pixel_values_videos, video_grid_thw, "video"),
             ))  # fmt: skip
             if self.config.sequence_parallel:
                 embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+                if deep is not None:
+                    deep = torch.stack([tensor_parallel.scatter_to_sequence_parallel_region(d) for d in deep])
             decoder_input = embeddings
+            if deep is not None:  # DeepStack: added after the first layers (foundation/deepstack.py)
+                kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), "context": deep}
         return self.foundation(
             input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
             packed_seq_params=packed_seq_params, **kwargs,

@@ -1,5 +1,6 @@
-"""Command-line overrides checked against the config schema before Hydra composes them, so that a
-misspelt key fails in one line with the closest valid key, not with Hydra's multi-line report."""
+"""Hydra command-line overrides checked against a config schema (nested dataclasses, as the zoo's
+``ModelConfig``) before Hydra composes them, so that a misspelt key fails in one line with the
+closest valid key, not with Hydra's multi-line report."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ from importlib import resources
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-GROUP_PACKAGES = ("loong_train.configs", "loong_models.configs")  # where config groups live
-
 
 def _dataclass_of(tp: object) -> type | None:
     """The dataclass a field holds (``X | None`` counts as X), else None: a leaf, list or dict."""
@@ -23,8 +22,9 @@ def _dataclass_of(tp: object) -> type | None:
     return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
 
 
-def _groups() -> set[str]:
-    return {p.name for pkg in GROUP_PACKAGES for p in resources.files(pkg).iterdir() if p.is_dir()}
+def config_groups(packages: tuple[str, ...]) -> set[str]:
+    """The config groups (sub-directories) that the config packages ``packages`` ship."""
+    return {p.name for pkg in packages for p in resources.files(pkg).iterdir() if p.is_dir()}
 
 
 def unknown_key(key: str, schema: type, groups: set[str] = frozenset()) -> str | None:
@@ -48,15 +48,16 @@ def unknown_key(key: str, schema: type, groups: set[str] = frozenset()) -> str |
     return None
 
 
-def check_overrides(args: list[str], schema: type) -> str | None:
+def check_overrides(args: list[str], schema: type, group_packages: tuple[str, ...] = ()) -> str | None:
     """The first command-line override whose key the schema does not have (one line), else None.
+    ``group_packages``: the Python packages holding the config groups (``model=...`` is a choice).
     ``+key=...`` (append), ``~key`` (delete), group choices (``model=...``), ``hydra.*`` and
     flags (``--cfg job``) are Hydra's to check."""
     try:
         overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
     except HydraException as e:
         return str(e).splitlines()[0]
-    groups = _groups()
+    groups = config_groups(group_packages)
     for o in overrides:
         key = o.key_or_group
         if o.is_add() or o.is_force_add() or o.is_delete() or "/" in key or key.split(".")[0] in ("hydra",):
