@@ -93,3 +93,16 @@ def test_models_chunkpipe_cannot_run_are_refused(megatron_cpu):
     tconfig = build_transformer_config(cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True)
     with pytest.raises(ValueError, match="MLA"):
         enable_chunkpipe(build_model(cfg, tconfig, device_type="cpu"))
+
+
+def test_the_attention_mask_type_is_read_as_megatron_or_te_spells_it(megatron_cpu):
+    """TE's core attention keeps its mask type as a string ("causal"), megatron's local one as an
+    enum: both are causal; anything else is refused naming the layer."""
+    model, _ = _tiny_model()
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.attn_mask_type = "causal"
+    enable_chunkpipe(model)
+    other, _ = _tiny_model()
+    other.decoder.layers[0].self_attention.core_attention.attn_mask_type = "padding"
+    with pytest.raises(ValueError, match="ChunkPipe needs causal attention \\(layer 0 has 'padding'\\)"):
+        enable_chunkpipe(other)

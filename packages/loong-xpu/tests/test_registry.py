@@ -87,3 +87,16 @@ def test_out_of_tree_backend_registers_through_entry_point(tmp_path):
 
 def test_a_backend_must_subclass_accelerator():
     assert issubclass(CpuAccelerator, Accelerator)
+
+
+def test_the_cpu_peak_memory_is_the_process_own_not_its_parents():
+    """A process started by a parent holding 2 GiB reports its own peak (ru_maxrss would carry the
+    parent's over exec)."""
+    import subprocess
+    import sys
+
+    held = bytearray(2 << 30)  # zero-filled: every page touched, the parent's peak is >= 2 GiB
+    code = "from loong_xpu.backends.cpu import CpuAccelerator; print(CpuAccelerator().memory_stats().peak_allocated)"
+    child_peak = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    del held
+    assert 0 < child_peak < 1.5 * 2**30, f"child peak {child_peak / 2**30:.2f} GiB"

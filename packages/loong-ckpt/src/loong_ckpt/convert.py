@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import resource
 import shutil
-import sys
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -48,6 +46,7 @@ from loong_ckpt.mapping import Rule, Unit, layer_key, locate, units
 from loong_ckpt.mcore_io import Chunk, model_template, read_metadata, read_regions, write_checkpoint
 from loong_ckpt.training import FORMAT_VERSION, META_FILE, PARTIAL_SUFFIX, _write_atomic
 from loong_models import FoundationConfig
+from loong_xpu.backends.cpu import peak_rss_bytes
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -63,15 +62,9 @@ class ConvertResult:
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory (MiB). On Linux it is the kernel's high-water mark of
-    the process's own memory map (``VmHWM``): ``getrusage``'s ``ru_maxrss`` is not, since exec
-    carries the parent's peak into it (a converter started by a 1 GiB process reported 1 GiB)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):  # not Linux: ru_maxrss is bytes on macOS, KiB elsewhere
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / (2**20 if sys.platform == "darwin" else 1024)
+    """This process's own peak resident memory (MiB), not its parent's (see
+    :func:`loong_xpu.backends.cpu.peak_rss_bytes`)."""
+    return peak_rss_bytes() / 2**20
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:

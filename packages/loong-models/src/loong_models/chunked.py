@@ -131,8 +131,9 @@ def enable_chunkpipe(model: torch.nn.Module) -> ChunkState:
     state = ChunkState(num_layers=len(layers))
     for i, layer in enumerate(layers):
         core = layer.self_attention.core_attention
-        if getattr(core, "attn_mask_type", AttnMaskType.causal) != AttnMaskType.causal:
-            raise ValueError("ChunkPipe needs causal attention")
+        mask = getattr(core, "attn_mask_type", AttnMaskType.causal)
+        if getattr(mask, "name", mask) != "causal":  # megatron's enum (local) or TE's string ("causal")
+            raise ValueError(f"ChunkPipe needs causal attention (layer {i} has {getattr(mask, 'name', mask)!r})")
         scale = getattr(core, "softmax_scale", None) or getattr(cfg, "softmax_scale", None)
         if scale is None:
             scale = cfg.kv_channels**-0.5

@@ -18,6 +18,18 @@ def _rss_bytes() -> int:
         return 0
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. On Linux it is the kernel's high-water mark of the
+    process's own memory map (``VmHWM``): ``getrusage``'s ``ru_maxrss`` is not, since exec carries
+    the parent's peak into it (a process started by a 1 GiB parent reports 1 GiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):  # not Linux: ru_maxrss is bytes on macOS, KiB elsewhere
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak * (1 if sys.platform == "darwin" else 1024)
+
+
 class CpuAccelerator(Accelerator):
     name = "cpu"
     device_type = "cpu"
@@ -42,8 +54,6 @@ class CpuAccelerator(Accelerator):
         torch.manual_seed(seed)
 
     def memory_stats(self) -> MemoryStats:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak *= 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
         rss = _rss_bytes()
-        # ru_maxrss and statm are read at different instants: the peak is at least what is in use now
-        return MemoryStats(allocated=rss, peak_allocated=max(peak, rss), reserved=rss)
+        # the peak and statm are read at different instants: the peak is at least what is in use now
+        return MemoryStats(allocated=rss, peak_allocated=max(peak_rss_bytes(), rss), reserved=rss)
