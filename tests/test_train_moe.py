@@ -43,6 +43,22 @@ def test_tiny_qwen3_moe_trains_and_logs_router_stats(tmp_path, data_cache):
     assert "8 experts top-2" in run.stderr and "experts: ep 1" in run.stderr
 
 
+def test_tiny_deepseek_v3_trains_with_an_mtp_layer_and_logs_its_loss(tmp_path, data_cache):
+    from loong_ckpt.mcore_io import read_metadata
+
+    run = runner(tmp_path, data_cache, "deepseek-v3-tiny")(
+        ["train.steps=10", "optim.lr=1e-2", "model.foundation.mtp_num_layers=1"]
+    ).check()
+    records = run.records("train")
+    mtp = [r["mtp_loss"] for r in records]
+    assert len(mtp) == 10 and all(0 < x < 20 for x in mtp)  # the MTP layer's cross-entropy, every step
+    assert mtp[-1] < mtp[0] - 1.0, f"MTP loss did not fall: {mtp[0]:.3f} -> {mtp[-1]:.3f}"
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    _check_router_stats(records, num_experts=8, tokens_per_step=8 * 64, topk=2, moe_layers=1)  # decoder only
+    keys = set(read_metadata(run.out_dir / "checkpoints" / "step_00000010"))
+    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.0.transformer_layer.mlp.router.weight"} <= keys
+
+
 def test_tiny_deepseek_v3_trains_and_logs_router_stats(tmp_path, data_cache):
     run = runner(tmp_path, data_cache, "deepseek-v3-tiny")(["train.steps=12", "optim.lr=1e-2"]).check()
     losses = run.losses()

@@ -191,9 +191,9 @@ def test_unrepresentable_moe_or_mla_config(family, changes, match, converted, tm
     _nothing_left(tmp_path / "out")
 
 
-def test_mtp_layers_are_refused(converted, tmp_path):
-    """DeepSeek-V3's multi-token-prediction layer (model.layers.<num_hidden_layers>.*) is not mapped:
-    converting would silently drop it, so it is an error naming a tensor."""
+def test_layers_beyond_the_configured_mtp_layers_are_refused(converted, tmp_path):
+    """Tensors of a layer the config does not declare (an MTP layer under num_nextn_predict_layers=0)
+    would be silently dropped: an error naming a tensor and the key to set."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -206,7 +206,8 @@ def test_mtp_layers_are_refused(converted, tmp_path):
     index["weight_map"]["model.layers.2.eh_proj.weight"] = shard.name
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(
-        ConversionError, match=r"model\.layers\.2\.eh_proj\.weight.*multi-token-prediction \(MTP\)"
+        ConversionError, match=r"beyond num_hidden_layers=2 \+ num_nextn_predict_layers=0 \(e\.g\. "
+        r"model\.layers\.2\.eh_proj\.weight\); if they are multi-token-prediction \(MTP\) layers, set"
     ):
         hf_to_mcore(hf, tmp_path / "out", progress=False)
     _nothing_left(tmp_path / "out")

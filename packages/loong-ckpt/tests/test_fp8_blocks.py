@@ -93,3 +93,68 @@ def test_an_fp8_weight_without_scales_and_other_quantisations_are_refused(tmp_pa
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(ConversionError, match=r"quant_method='gptq'; only FP8 block quantisation"):
         HFReader(tmp_path)
+
+
+def _hf_tensors(path):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_export_as_fp8_blocks_writes_the_release_format_and_converting_it_back_is_consistent(tmp_path):
+    from loong_ckpt import hf_to_mcore, mcore_to_hf
+    from loong_ckpt.cli import main
+
+    src = make_hf_model(tmp_path / "hf", "deepseek-v3")
+    hf_to_mcore(src, tmp_path / "ckpt", progress=False)
+    assert main(["mcore-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "fp8"), "--fp8-blocks", "16,16",
+                 "--no-progress"]) == 0  # fmt: skip
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [16, 16]
+    orig, fp8 = _hf_tensors(src), _hf_tensors(tmp_path / "fp8")
+    quantised = [n for n in orig if n + "_scale_inv" in fp8]
+    assert "model.layers.1.mlp.experts.0.down_proj.weight" in quantised and "model.layers.0.self_attn.kv_b_proj.weight" in quantised
+    assert sorted(fp8) == sorted([*orig, *(n + "_scale_inv" for n in quantised)])
+    for name, want in orig.items():  # quantised weights: exactly quantize(w); the rest unchanged
+        if name in quantised:
+            q, s = quantize(want, BLOCK)
+            assert fp8[name].dtype == torch.float8_e4m3fn and torch.equal(fp8[name].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(fp8[name + "_scale_inv"], s)
+        else:
+            assert torch.equal(fp8[name], want), name
+    assert not any(n.endswith(("norm.weight", "mlp.gate.weight", "embed_tokens.weight")) for n in quantised)
+
+    # back: the checkpoint holds the dequantised weights, and exporting it again gives the same FP8 blocks
+    hf_to_mcore(tmp_path / "fp8", tmp_path / "ckpt2", progress=False)
+    mcore_to_hf(tmp_path / "ckpt2", tmp_path / "plain", progress=False)
+    plain = _hf_tensors(tmp_path / "plain")
+    assert sorted(plain) == sorted(orig)
+    for name, t in plain.items():
+        want = dequantize(fp8[name], fp8[name + "_scale_inv"], BLOCK, t.dtype) if name in quantised else orig[name]
+        assert torch.equal(t, want), name
+    assert main(["mcore-to-hf", str(tmp_path / "ckpt2"), str(tmp_path / "fp8-again"), "--fp8-blocks", "16",
+                 "--no-progress"]) == 0  # fmt: skip
+    again = _hf_tensors(tmp_path / "fp8-again")
+    assert sorted(again) == sorted(fp8)
+    assert all(torch.equal(again[k].view(torch.uint8), fp8[k].view(torch.uint8)) if again[k].dtype == torch.float8_e4m3fn
+               else torch.equal(again[k], fp8[k]) for k in fp8)  # fmt: skip
+
+
+def test_a_malformed_fp8_block_option_is_refused_naming_it():
+    from loong_ckpt.fp8_blocks import parse_block
+
+    assert parse_block("128") == (128, 128) and parse_block("64,128") == (64, 128)
+    with pytest.raises(ConversionError, match=r"--fp8-blocks='128x128'; expected a block size such as 128"):
+        parse_block("128x128")
+
+
+def test_the_online_load_of_an_fp8_checkpoint_gives_the_logits_of_the_dequantised_hf_model(tmp_path):
+    from loong_ckpt.testing import logits_in_process
+    from loong_ckpt.testing.hf_models import hf_logits
+
+    _quantised_copy(make_hf_model(tmp_path / "hf", "deepseek-v3"), tmp_path / "fp8", tmp_path / "deq")
+    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    got = logits_in_process(tmp_path / "fp8", tmp_path / "tokens.pt")  # train.init_from=<HF dir>'s loader
+    torch.testing.assert_close(got, hf_logits(tmp_path / "deq", tokens), atol=2e-4, rtol=1e-4)
+    assert (got - hf_logits(tmp_path / "hf", tokens)).abs().max() > 1e-4  # FP8 did change the weights

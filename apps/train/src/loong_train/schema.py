@@ -133,6 +133,7 @@ def _context_parallel_errors(cfg: Config) -> list[str]:
     return context_parallel_conflicts(cfg.parallel, seq_length=d.seq_length, features={
         "model.foundation.sparse_attention (DeepSeek sparse attention)": f.sparse_attention is not None,
         "model.foundation.mla (multi-latent attention: no CP parity test yet)": f.mla is not None,
+        "model.foundation.mtp_num_layers (multi-token prediction: no CP parity test yet)": bool(f.mtp_num_layers),
         "data.kind=multimodal (the VLM path has no CP split yet)": d.kind == "multimodal",
         "parallel.balance.enabled=true (the DP balancer would split a CP group's samples)": cfg.parallel.balance.enabled,
     })  # fmt: skip

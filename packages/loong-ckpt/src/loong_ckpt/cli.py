@@ -1,7 +1,7 @@
 """``loong-convert``: HF <-> Megatron checkpoints from the command line.
 
 loong-convert hf-to-mcore <hf dir> <out dir> [--tp N] [--pp N] [--ep N] [--dtype auto|fp32|bf16|fp16]
-loong-convert mcore-to-hf <checkpoint dir> <out dir> [--dtype ...] [--tokenizer DIR]
+loong-convert mcore-to-hf <checkpoint dir> <out dir> [--dtype ...] [--tokenizer DIR] [--fp8-blocks 128]
 loong-convert mcore-to-peft <LoRA checkpoint dir> <out dir> [--base-model NAME]
 """
 
@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--max-shard-size", type=float, default=2.0, help="safetensors shard size in GiB (default 2)"
     )
+    b.add_argument("--fp8-blocks", metavar="ROWS[,COLS]",
+                   help="write the decoder's projection weights FP8 block-quantised (float8_e4m3fn + "
+                        "weight_scale_inv per block, DeepSeek-V3's release format), e.g. 128")  # fmt: skip
     for p in (a, b):
         p.add_argument("--dtype", default="auto", help="auto (keep), fp32, bf16 or fp16")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -84,10 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fine-tune from it (phase=finetune: a fine-tuning rate; phase=pretrain for pretraining rates):"
                       f"\n  {res.command}")  # fmt: skip
         else:
+            from loong_ckpt.fp8_blocks import parse_block
+
             foundation = _load_foundation_yaml(args.model_yaml) if args.model_yaml else None
+            blocks = parse_block(args.fp8_blocks) if args.fp8_blocks else None
             res = mcore_to_hf(args.src, args.out, dtype=args.dtype, tokenizer=args.tokenizer, foundation=foundation,
                               force=args.force, progress=not args.no_progress,
-                              max_shard_bytes=int(args.max_shard_size * 2**30))  # fmt: skip
+                              max_shard_bytes=int(args.max_shard_size * 2**30), fp8_blocks=blocks)  # fmt: skip
             print(
                 f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
             )

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from loong_ckpt.composed import ComponentMapping, ModelMapping, Renames
-from loong_ckpt.families import get_mapping, supported_architectures
+from loong_ckpt.families import get_mapping, mtp_rules, supported_architectures
 from loong_ckpt.hf_config import ConversionError, foundation_from_dict, from_hf_config
 from loong_ckpt.mapping import Rule, SliceReader
 from loong_ckpt.vlm import QWEN25_VL
@@ -212,7 +212,13 @@ def bind_components(cfg: Any, naming: str | None = None) -> list[tuple[list[Rule
     transformers' save_pretrained writes). A text model: its family's own rules, unchanged."""
     if not is_composed(cfg):
         f = foundation_of(cfg)
-        return [([r for r in get_mapping(f.family).rules if r.applies(f)], f)]
+        out = [([r for r in get_mapping(f.family).rules if r.applies(f)], f)]
+        if f.mtp_num_layers:  # the MTP layers: a component counting mtp_num_layers layers
+            try:
+                out.append((mtp_rules(f), dataclasses.replace(f, num_layers=f.mtp_num_layers)))
+            except ValueError as e:
+                raise ConversionError(str(e)) from None
+        return out
     m = mapping_of(cfg)
     naming = naming or next(iter(m.namings))
     out = []

@@ -38,6 +38,8 @@ from loong_ckpt.diffusion import (
     is_diffusion_checkpoint,
     mcore_to_diffusers,
 )
+from loong_ckpt.families import mtp_copies
+from loong_ckpt.fp8_blocks import BlockWriter, quantization_config
 from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
 from loong_ckpt.integrity import check_files, hash_files, listed_files
@@ -154,13 +156,14 @@ def plan_units(rules: list[Rule], cfg: FoundationConfig, keys: Collection[str], 
 
 def check_hf_extras(reader: HFReader, cfg: FoundationConfig) -> None:
     """HF tensors that this mapping would silently drop but that carry model behaviour."""
+    layers = cfg.num_layers + (cfg.mtp_num_layers or 0)  # MTP layers follow the decoder's in HF
     beyond = sorted(n for n in reader.tensors
-                    if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= cfg.num_layers)  # fmt: skip
+                    if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= layers)  # fmt: skip
     if beyond:
         raise ConversionError(
-            f"{reader.path}: {len(beyond)} tensors belong to layers beyond num_hidden_layers={cfg.num_layers} "
-            f"(e.g. {beyond[0]}): multi-token-prediction (MTP) layers are not supported; "
-            "remove them (and set num_nextn_predict_layers=0) to convert the main model"
+            f"{reader.path}: {len(beyond)} tensors belong to layers beyond num_hidden_layers={cfg.num_layers} + "
+            f"num_nextn_predict_layers={cfg.mtp_num_layers or 0} (e.g. {beyond[0]}); if they are multi-token-"
+            "prediction (MTP) layers, set num_nextn_predict_layers in config.json"
         )
     if fused := sorted(
         n for n in reader.tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
@@ -209,6 +212,7 @@ def hf_to_mcore(src: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, e
                     f"has shape {got}, the config implies {expected} (megatron key {u.key})"
                 )
             used.add(hf_name)
+    used |= _check_mtp_copies(reader, cfg)
     unused = sorted(set(reader.tensors) - used - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     if unused:
         logger.warning("%d HF tensors are not converted: %s", len(unused), ", ".join(unused[:8]))
@@ -268,6 +272,31 @@ def hf_to_mcore(src: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, e
     return res
 
 
+def _check_mtp_copies(reader: HFReader, cfg: FoundationConfig) -> set[str]:
+    """The MTP layers' copies of the embedding and head (megatron shares the main ones): present
+    and equal to what they copy, else the conversion would change the model."""
+    for copy, src in mtp_copies(cfg).items():
+        if copy not in reader:
+            raise ConversionError(f"{reader.path}: tensor {copy} (the MTP layer's copy of {src}) is missing")
+        if not torch.equal(reader.read(copy), reader.read(src)):
+            raise ConversionError(f"{reader.path}: {copy} differs from {src}; megatron's MTP layers share the "
+                                  "main model's embedding and output head, so it cannot be converted")  # fmt: skip
+    return set(mtp_copies(cfg))
+
+
+def _copies_by_source(cfg: FoundationConfig) -> dict[str, list[str]]:
+    """HF tensor -> the HF tensors written as its copies (the MTP layers' embedding and head)."""
+    of: dict[str, list[str]] = {}
+    for copy, src in mtp_copies(cfg).items():
+        of.setdefault(src, []).append(copy)
+    return of
+
+
+def _with_copies(plan: list, copies: dict[str, list[str]]) -> list:
+    """The HF write plan (name, shape, dtype) with each copy right after the tensor it copies."""
+    return [e for entry in plan for e in (entry, *((c, *entry[1:]) for c in copies.get(entry[0], ())))]
+
+
 def _check_rules_cover(tensors: dict[str, tuple[int, ...]], plan: list[Unit], family: str) -> None:
     """The rules account for every tensor of the model, and every stacked axis is filled."""
     if missing := sorted(set(tensors) - {u.key for u in plan}):
@@ -314,10 +343,12 @@ def mcore_to_hf(
     force: bool = False,
     progress: bool = True,
     max_shard_bytes: int = 2 * 2**30,
+    fp8_blocks: tuple[int, int] | None = None,
 ) -> ConvertResult:
     """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``.
     A LoRA checkpoint (adapters only) is merged into the base weights it names (``W + s * B @ A``):
-    the output is a plain model."""
+    the output is a plain model. ``fp8_blocks`` (rows, cols) writes the decoder's projection
+    weights FP8 block-quantised, as DeepSeek-V3's release (fp8_blocks.py)."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     check_output_dir(out, force)
@@ -342,7 +373,12 @@ def mcore_to_hf(
     merge = _LoraMerge(src, lora) if lora else None
     tok_src = tokenizer or base
     with atomic_output_dir(out, force) as tmp:
-        writer = SafetensorsWriter(tmp, plan, max_shard_bytes)
+        def make_writer(p: list) -> SafetensorsWriter:
+            return SafetensorsWriter(tmp, p, max_shard_bytes)
+
+        copies = _copies_by_source(cfg)
+        plan = _with_copies(plan, copies)
+        writer = BlockWriter(make_writer, plan, fp8_blocks) if fp8_blocks else make_writer(plan)
         bar = tqdm(total=len(plan), unit="tensor", desc="mcore-to-hf", disable=not progress)
         try:
             # One read per group: the non-layer tensors, each layer's own tensors, each of its experts.
@@ -353,7 +389,8 @@ def mcore_to_hf(
                 for u in group:
                     keep = u.rule.dtype is not None or out_dtype is None
                     for n, t in zip(u.rule.hf_names(u.layer, u.expert), u.rule.to_hf(buffers[u.key], cfg)):
-                        writer.write(n, t if keep else t.to(out_dtype))
+                        for name in (n, *copies.get(n, ())):
+                            writer.write(name, t if keep else t.to(out_dtype))
                         bar.update(1)
             writer.close()
         finally:
@@ -362,6 +399,8 @@ def mcore_to_hf(
         if merge:
             merge.check_all_merged()
         hf_cfg = model_to_hf(model_cfg, final_dtype, meta.get("hf_config"))
+        if fp8_blocks:
+            hf_cfg["quantization_config"] = quantization_config(fp8_blocks)
         copy_tokenizer_files(tok_src, tmp)
         _write_atomic(tmp / CONFIG_FILE, json.dumps(hf_cfg, indent=2) + "\n")
     res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(plan))

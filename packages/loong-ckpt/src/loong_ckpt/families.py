@@ -9,6 +9,8 @@ rest); the converter checks that the applicable rules cover the built model exac
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from loong_ckpt.mapping import GATE_UP, QKV, FamilyMapping, Rule, Split
@@ -108,6 +110,20 @@ QK_NORM: tuple[Rule, ...] = (
     Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), Split.REPLICATED),
 )
 
+# Multi-token prediction (DeepSeek-V3's num_nextn_predict_layers): HF stores MTP layer k as
+# decoder layer num_hidden_layers + k. It holds a decoder layer like the last one (its tensors
+# under megatron's ``mtp.layers.<k>.transformer_layer.``, see mtp_rules), plus these of its own ...
+MTP_OWN: tuple[Rule, ...] = (
+    Rule("mtp.layers.enorm.weight", (_H + "enorm.weight",), Split.REPLICATED),
+    Rule("mtp.layers.hnorm.weight", (_H + "hnorm.weight",), Split.REPLICATED),
+    Rule("mtp.layers.eh_proj.weight", (_H + "eh_proj.weight",), Split.COLUMN),  # [h, 2h]: [embedding; hidden]
+    Rule("mtp.layers.final_layernorm.weight", (_H + "shared_head.norm.weight",), Split.REPLICATED),
+)
+# ... and copies of the main model's embedding and head, which megatron's MTP shares (HF MTP
+# tensor suffix -> the HF tensor it copies): checked equal on import, written again on export.
+MTP_SHARED: dict[str, str] = {"embed_tokens.weight": "model.embed_tokens.weight",
+                              "shared_head.head.weight": "lm_head.weight"}  # fmt: skip
+
 MAPPINGS: dict[str, FamilyMapping] = {
     m.family: m
     for m in (
@@ -115,7 +131,7 @@ MAPPINGS: dict[str, FamilyMapping] = {
         FamilyMapping("qwen2", DENSE_DECODER + QKV_BIAS),
         FamilyMapping("qwen3", DENSE_DECODER + QK_NORM),
         FamilyMapping("qwen3-moe", DENSE_DECODER + QK_NORM + MOE_MLP),
-        FamilyMapping("deepseek-v3", EMBEDDING_AND_HEAD + MLA_ATTENTION + DENSE_MLP + MOE_MLP),
+        FamilyMapping("deepseek-v3", EMBEDDING_AND_HEAD + MLA_ATTENTION + DENSE_MLP + MOE_MLP, mtp=MTP_OWN),
     )
 }
 
@@ -129,6 +145,34 @@ def get_mapping(family: str) -> FamilyMapping:
         ) from None
 
 
+def _in_mtp(name: str) -> str:
+    return "mtp.layers.transformer_layer." + name.removeprefix(_L)
+
+
+def mtp_rules(cfg: FoundationConfig) -> list[Rule]:
+    """The rules of ``cfg``'s MTP layers (none without ``mtp_num_layers``), with layer indices
+    counted from the first MTP layer: its decoder-layer tensors (the rules the last decoder layer
+    has) and its own. A family without an HF layout for MTP refuses it."""
+    if not cfg.mtp_num_layers:
+        return []
+    fam = get_mapping(cfg.family)
+    if not fam.mtp:
+        with_mtp = [m.family for m in MAPPINGS.values() if m.mtp]
+        raise ValueError(f"model.foundation.mtp_num_layers={cfg.mtp_num_layers}: family {cfg.family!r} has no HF "
+                         f"layout for MTP layers; families with one: {', '.join(with_mtp)}")  # fmt: skip
+    last = cfg.num_layers - 1
+    layer = [dataclasses.replace(r, mcore=_in_mtp(r.mcore), aliases=tuple(_in_mtp(a) for a in r.aliases), on_layer=None)
+             for r in fam.rules if r.layered and r.applies(cfg) and r.has_layer(cfg, last)]  # fmt: skip
+    return [dataclasses.replace(r, hf_layer_offset=cfg.num_layers) for r in (*layer, *fam.mtp)]
+
+
+def mtp_copies(cfg: FoundationConfig) -> dict[str, str]:
+    """HF tensor -> the HF tensor it copies, for the MTP layers' shared embedding and head."""
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    return {f"model.layers.{cfg.num_layers + k}.{suffix}": head if src == "lm_head.weight" else src
+            for k in range(cfg.mtp_num_layers or 0) for suffix, src in MTP_SHARED.items()}  # fmt: skip
+
+
 def supported_architectures() -> dict[str, str]:
     """HF ``architectures`` entry -> loong family, for every family with a mapping."""
     return {arch: name for name, fam in FAMILIES.items() if name in MAPPINGS for arch in fam.hf_architectures}
@@ -138,7 +182,9 @@ def key_aliases() -> dict[str, tuple[str, ...]]:
     """Megatron key -> the other keys the same tensor has under another layer spec (every family)."""
     out: dict[str, set[str]] = {}
     for fam in MAPPINGS.values():
-        for r in fam.rules:
+        mtp = [dataclasses.replace(r, mcore=_in_mtp(r.mcore), aliases=tuple(map(_in_mtp, r.aliases)))
+               for r in fam.rules if r.layered and fam.mtp]  # fmt: skip
+        for r in (*fam.rules, *mtp):
             names = {r.mcore, *r.aliases}
             for n in names if r.aliases else ():
                 out.setdefault(n, set()).update(names - {n})

@@ -8,6 +8,7 @@ Such a checkpoint stores each quantised linear weight ``W`` as ``float8_e4m3fn``
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -55,3 +56,57 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
     q = (blocks / scale_inv[:, None, :, None]).to(torch.float8_e4m3fn).reshape(padded.shape)[:rows, :cols]
     return q.contiguous(), scale_inv
+
+
+# The weights DeepSeek's release stores in FP8: the attention and MLP (dense, expert, shared)
+# projections of decoder layers; embeddings, norms, the router and the LM head stay in bf16.
+_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\..*proj\.weight$")
+
+
+def quantization_config(block: tuple[int, int]) -> dict[str, Any]:
+    """config.json's ``quantization_config`` of a checkpoint written with FP8 blocks."""
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+
+
+def parse_block(text: str) -> tuple[int, int]:
+    """``"128"`` or ``"128,128"`` (rows, cols) -> the block size; anything else is refused."""
+    parts = text.split(",")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ConversionError(f"--fp8-blocks={text!r}; expected a block size such as 128 or 128,128")
+    return int(parts[0]), int(parts[-1])
+
+
+class BlockWriter:
+    """A safetensors writer that stores each quantised weight as FP8 + ``_scale_inv`` (the
+    release format), every other tensor unchanged. ``plan`` is the plain (name, shape, dtype) list."""
+
+    def __init__(self, make_writer: Any, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 block: tuple[int, int]) -> None:  # fmt: skip
+        self.block = block
+        out = []
+        for name, shape, dtype in plan:
+            if self.quantised(name, shape):
+                scales = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+                out += [(name, shape, torch.float8_e4m3fn), (name + SCALE_SUFFIX, scales, torch.float32)]
+            else:
+                out.append((name, shape, dtype))
+        self.writer = make_writer(out)
+        self.shapes = {name: shape for name, shape, _ in plan}
+
+    @staticmethod
+    def quantised(name: str, shape: tuple[int, ...]) -> bool:
+        return len(shape) == 2 and _QUANTISED.match(name) is not None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if not self.quantised(name, self.shapes[name]):
+            return self.writer.write(name, tensor)
+        q, scale_inv = quantize(tensor, self.block)
+        self.writer.write(name, q)
+        self.writer.write(name + SCALE_SUFFIX, scale_inv)
+        return None
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def abort(self) -> None:
+        self.writer.abort()

@@ -195,6 +195,7 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> Foundatio
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_method_std=hf.get("initializer_range", 0.02),
+        mtp_num_layers=hf.get("num_nextn_predict_layers") or None,  # DeepSeek-V3's MTP layers
         **_ATTENTION_FROM_HF[fam.attention](k),
     )
     try:
@@ -209,7 +210,7 @@ _ROPE_FIELDS = {f.name for f in dataclasses.fields(RopeScaling)}
 ARCH_FIELDS = (
     "family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "vocab_size", "max_position_embeddings", "rotary_base", "rope_scaling", "norm_epsilon",
-    "tie_word_embeddings", "mla", "moe",
+    "tie_word_embeddings", "mla", "moe", "mtp_num_layers",
 )  # fmt: skip
 # The MoEConfig fields that are architecture (the rest are training knobs: balancing loss, capacity).
 MOE_ARCH_FIELDS = (
@@ -325,7 +326,7 @@ def _deepseek_v3_moe_to_hf(cfg: FoundationConfig, moe: MoEConfig) -> dict[str, A
         "moe_intermediate_size": moe.ffn_hidden_size, "n_shared_experts": shared // moe.ffn_hidden_size,
         "first_k_dense_replace": moe.first_k_dense, "routed_scaling_factor": moe.topk_scaling_factor or 1.0,
         "n_group": groups, "topk_group": moe.group_topk or 1, "norm_topk_prob": True,
-        "num_nextn_predict_layers": 0,  # MTP layers are not converted
+        "num_nextn_predict_layers": cfg.mtp_num_layers or 0,
     }  # fmt: skip
 
 

@@ -34,8 +34,9 @@ from loong_models import FoundationConfig
 
 LAYER = "{i}"
 EXPERT = "{e}"
-_LAYERS = "decoder.layers."
-_INDEXED = re.compile(r"^(.*?decoder\.layers\.)(\d+)\.(.+)$")  # a component prefix may precede
+# The decoder's layers, and megatron's multi-token-prediction layers (``mtp.layers.<k>.``).
+_LAYERS = re.compile(r"(?:decoder|mtp)\.layers\.")
+_INDEXED = re.compile(r"^(.*?(?:decoder|mtp)\.layers\.)(\d+)\.(.+)$")  # a component prefix may precede
 
 
 class Split(enum.Enum):
@@ -121,6 +122,9 @@ class Rule:
     # Other keys megatron gives the same tensor under another layer spec (norms that TE fuses into
     # the next linear: ``linear_q_up_proj.layer_norm_weight`` for the local ``q_layernorm.weight``).
     aliases: tuple[str, ...] = ()
+    # HF's index of megatron's layer 0 of this rule: DeepSeek's MTP layer k is HF layer
+    # num_hidden_layers + k (bound per config, see families.mtp_rules).
+    hf_layer_offset: int = 0
 
     def applies(self, cfg: FoundationConfig) -> bool:
         return self.when is None or self.when(cfg)
@@ -144,7 +148,7 @@ class Rule:
         return EXPERT in self.hf[0]
 
     def hf_names(self, layer: int | None, expert: int | None = None) -> list[str]:
-        names = [n.replace(LAYER, str(layer)) for n in self.hf] if self.layered else list(self.hf)
+        names = [n.replace(LAYER, str(layer + self.hf_layer_offset)) for n in self.hf] if self.layered else list(self.hf)
         return [n.replace(EXPERT, str(expert)) for n in names] if self.expert else names
 
     # --- whole (global) tensors: the offline converter -------------------------------------
@@ -224,9 +228,9 @@ class Unit:
 def layer_key(mcore: str, layer: int) -> str:
     """The key megatron gives a per-layer tensor of a decoder with differing layers (after a
     composed model's component prefix, if any: ``image_encoder.decoder.layers.<i>.x``)."""
-    head, sep, rest = mcore.partition(_LAYERS)
-    assert sep, mcore
-    return f"{head}{_LAYERS}{layer}.{rest}"
+    m = _LAYERS.search(mcore)
+    assert m, mcore
+    return f"{mcore[: m.end()]}{layer}.{mcore[m.end() :]}"
 
 
 def rule_key(key: str) -> tuple[str, int | None]:
@@ -269,6 +273,8 @@ class FamilyMapping:
 
     family: str
     rules: tuple[Rule, ...]
+    # The MTP layers' own tensors (DeepSeek-V3); empty: the family has no HF layout for MTP.
+    mtp: tuple[Rule, ...] = ()
 
     def by_mcore_key(self) -> dict[str, Rule]:
         """Every megatron key (aliases included) -> its rule."""

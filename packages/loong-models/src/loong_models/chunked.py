@@ -118,6 +118,8 @@ def enable_chunkpipe(model: torch.nn.Module) -> ChunkState:
     cfg = model.config
     if getattr(cfg, "multi_latent_attention", False):
         raise ValueError("ChunkPipe supports GQA / MHA attention; MLA (model.foundation.mla) is not supported yet")
+    if cfg.mtp_num_layers:  # megatron's MTP shifts tokens across the whole sample, not per chunk
+        raise ValueError("ChunkPipe does not support multi-token prediction; set model.foundation.mtp_num_layers=null")
     if getattr(model, "position_embedding_type", "rope") != "rope":
         raise ValueError(f"ChunkPipe needs RoPE positions, the model uses {model.position_embedding_type!r}")
     if cfg.recompute_granularity is not None:

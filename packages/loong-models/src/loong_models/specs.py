@@ -134,6 +134,22 @@ def _decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: in
     )
 
 
+def mtp_block_spec(config: TransformerConfig, block, *, backend: str, vp_stage: int | None = None):
+    """megatron's multi-token-prediction block (``config.mtp_num_layers``; None without MTP or on
+    a stage that does not hold it): each MTP layer wraps a copy of the decoder's last layer spec;
+    on the local backend its norms (enorm, hnorm, final) are Loong's RMSNorm like the decoder's."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    spec = get_gpt_mtp_block_spec(config, block, use_transformer_engine=backend == "te", vp_stage=vp_stage)
+    if spec is None or backend == "te":
+        return spec
+    norms = dict(enorm=RMSNorm, hnorm=RMSNorm, layer_norm=RMSNorm)
+    layers = [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, **norms)) for s in spec.layer_specs]
+    return dataclasses.replace(spec, layer_specs=layers)
+
+
 # Per-head q/k norms (GQA: q_layernorm, k_layernorm) and latent norms (MLA: q_layernorm, kv_layernorm)
 _ATTENTION_NORMS = ("q_layernorm", "k_layernorm", "kv_layernorm")
 

@@ -31,15 +31,17 @@ def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_
     media = {key: batch[key].to(device, non_blocking=True) for key in MEDIA_KEYS
              if key in batch and batch[key].numel()}  # a pack without images has empty tensors  # fmt: skip
     run = model.build_schedule_plan if return_schedule_plan else model
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     output = run(
         tokens,
         batch["position_ids"].to(device, non_blocking=True),
         None,  # causal mask is implied by the layer spec
         labels=batch["labels"].to(device, non_blocking=True),
         packed_seq_params=packed,
+        loss_mask=loss_mask,  # megatron's MTP loss (if any) masks the same tokens as the LM loss
         **media,
     )
-    return output, partial(masked_token_loss, batch["loss_mask"].to(device, non_blocking=True))
+    return output, partial(masked_token_loss, loss_mask)
 
 
 def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):

@@ -25,6 +25,7 @@ from loong_parallel.encoder_layout import apply_encoder_layout, vision_shape
 from loong_parallel.forward import lm_forward_step
 from loong_parallel.model import ModelProvider
 from loong_parallel.moe import RouterStats
+from loong_parallel.mtp import MTPStats
 from loong_parallel.runtime import runtime_transformer_fields
 
 
@@ -34,6 +35,21 @@ class StepCounts(Protocol):
     tokens: int
     token_pairs: int | None  # sum over samples of length**2; None: rows of data.seq_length
     grids: tuple[tuple[int, int, int], ...]  # (t, h, w) patch grids of its images and videos
+
+
+@dataclass
+class StepStats:
+    """The model's statistics for the log (router loads, MTP loss): each part's, in one record."""
+
+    parts: list[RouterStats | MTPStats]
+
+    def report(self, microbatches: int, step: int) -> dict[str, float | list[int]]:
+        """Collective over all ranks, like each part's."""
+        return {k: v for p in self.parts for k, v in p.report(microbatches, step).items()}
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
 
 
 class ModelKind(Protocol):
@@ -58,7 +74,7 @@ class ModelKind(Protocol):
         (a VLM adds its vision tower's, see :func:`loong_parallel.encoder_layout.vision_shape`)."""
 
     def step_stats(self, chunks: list[torch.nn.Module], config: TransformerConfig, device: torch.device
-                   ) -> RouterStats | None: ...  # fmt: skip
+                   ) -> StepStats | None: ...  # fmt: skip
 
     def describe(self) -> str: ...
 
@@ -115,9 +131,12 @@ class LanguageModel:
         return shape
 
     def step_stats(self, chunks: list[torch.nn.Module], config: TransformerConfig, device: torch.device
-                   ) -> RouterStats | None:  # fmt: skip
-        """MoE models report their routers' statistics."""
-        return RouterStats(chunks, config, device) if self.cfg.foundation.moe else None
+                   ) -> StepStats | None:  # fmt: skip
+        """MoE models report their routers' statistics, models with MTP layers their MTP loss."""
+        f = self.cfg.foundation
+        parts = [*([RouterStats(chunks, config, device)] if f.moe else []),
+                 *([MTPStats(config, device)] if f.mtp_num_layers else [])]  # fmt: skip
+        return StepStats(parts) if parts else None
 
     def describe(self) -> str:
         f, m = self.cfg.foundation, self.cfg

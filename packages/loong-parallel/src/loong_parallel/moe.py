@@ -24,7 +24,8 @@ _AUX_LOSS_NAMES = {
 def _routers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     from megatron.core.transformer.moe.router import Router
 
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)]
+    # the decoder's routers: an MTP layer's router numbers its layer from 1 again (megatron)
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router) and not m.is_mtp_layer]
 
 
 class RouterStats:
@@ -84,8 +85,9 @@ class RouterStats:
             out["moe_tokens_per_expert"] = [int(round(x)) for x in per_layer.sum(0).tolist()]
         if self.loss_names:
             tracker = get_moe_metrics_tracker()
+            mtp = self.config.mtp_num_layers  # MTP layers' routers record after the decoder's layers
             for name in self.loss_names:  # pipeline stages without MoE layers take part in the reduction
-                tracker.ensure_initialized(name, self.config.num_layers, device=self.counts.device)
+                tracker.ensure_initialized(name, self.config.num_layers + (mtp or 0), device=self.counts.device)
             losses: dict[str, torch.Tensor] = {}  # report() adds its aggregated "*loss" metrics here
             tracker.report(
                 loss_scale=1.0 / max(microbatches, 1),
@@ -93,6 +95,7 @@ class RouterStats:
                 track_names=self.loss_names,
                 num_layers=self.config.num_layers,
                 moe_layer_freq=self.config.moe_layer_freq,
+                mtp_num_layers=mtp,
                 total_loss_dict=losses,
             )
             out.update({f"moe_{name}": round(float(value), 6) for name, value in losses.items()})

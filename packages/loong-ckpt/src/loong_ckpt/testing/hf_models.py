@@ -62,6 +62,40 @@ def make_hf_model(
     return path
 
 
+def add_mtp_layers(path: Path, n: int = 1, seed: int = 1) -> Path:
+    """Give the DeepSeek-V3 model at ``path`` ``n`` multi-token-prediction layers as the released
+    checkpoint stores them (transformers builds none): HF layer ``num_hidden_layers + k`` holds
+    random tensors shaped like the last decoder layer's, its own enorm, hnorm, eh_proj and
+    shared_head.norm, and copies of the embedding and LM head; config.json says
+    ``num_nextn_predict_layers: n``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors"))
+    tensors = {k: v for f in files for k, v in load_file(f).items()}
+    last, h = config["num_hidden_layers"] - 1, config["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    for k in range(n):
+        mtp = f"model.layers.{last + 1 + k}."
+        for name, t in list(tensors.items()):
+            if name.startswith(f"model.layers.{last}."):
+                noise = torch.randn(t.shape, generator=g)
+                new = 1 + 0.1 * noise if "norm" in name else noise * (0.1 if name.endswith("bias") else t.std())
+                tensors[mtp + name.removeprefix(f"model.layers.{last}.")] = new
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{mtp}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        tensors[mtp + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.05
+        tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    for f in [*files, *path.glob("*.safetensors.index.json")]:
+        f.unlink()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": n}, indent=2))
+    return path
+
+
 def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
     import transformers
 

@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from loong_models.foundation.config import FoundationConfig
 from loong_models.foundation.families import get_family
 from loong_models.foundation.mrope import InterleavedMultimodalRotaryEmbedding
-from loong_models.specs import decoder_block_spec
+from loong_models.specs import decoder_block_spec, mtp_block_spec
 
 
 def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> TransformerConfig:
@@ -52,6 +52,8 @@ def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> Transform
             arch.update(recompute_modules=list(cfg.recompute_modules))
     if cfg.moe is not None:
         arch.update(moe_fields(cfg))
+    if cfg.mtp_num_layers is not None:
+        arch.update(mtp_num_layers=cfg.mtp_num_layers, mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor)
     if "moe_act" in (cfg.recompute_modules or []) and not runtime.get("moe_grouped_gemm"):
         # megatron recomputes the expert activation only inside its grouped-GEMM experts
         raise ValueError(
@@ -158,6 +160,7 @@ def build_foundation(
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
+        mtp_block_spec=mtp_block_spec(config, spec, backend=layer_backend, vp_stage=vp_stage),
         vocab_size=cfg.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

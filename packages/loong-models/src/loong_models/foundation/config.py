@@ -99,6 +99,13 @@ class FoundationConfig:
     # With recompute=selective: which submodules to recompute (megatron's recompute_modules);
     # None = megatron's default (core_attn).
     recompute_modules: list[RecomputeModule] | None = None
+    # Multi-token prediction (DeepSeek-V3): this many extra layers after the decoder, the k-th
+    # predicting token t+1+k from the decoder's state and token t+k's embedding (megatron's MTP
+    # block: enorm, hnorm, eh_proj, one transformer layer like the decoder's last, a final norm;
+    # embedding and output head shared). None = no MTP.
+    mtp_num_layers: int | None = None
+    # The MTP losses' weight (their mean over the layers) added to the LM loss.
+    mtp_loss_scaling_factor: float = 0.1
     extra: dict = field(default_factory=dict)  # family-specific knobs, passed to TransformerConfig
 
     @property
@@ -138,6 +145,10 @@ class FoundationConfig:
                 )
         self._validate_recompute_modules(prefix)
         self._validate_moe(get_family(self.family), prefix)
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
+            raise ValueError(f"{prefix}.mtp_num_layers={self.mtp_num_layers}; expected null (no MTP) or >= 1")
+        if self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"{prefix}.mtp_loss_scaling_factor={self.mtp_loss_scaling_factor}; expected >= 0")
         if self.rope_scaling is not None:
             self._validate_rope_scaling(prefix)
 
@@ -246,6 +257,10 @@ class FoundationConfig:
         total = (
             self.num_layers * per_layer + dense_layers * dense_mlp + moe_layers * moe_mlp + h
         )  # + final norm
+        if self.mtp_num_layers:  # each: a copy of the last layer + enorm, hnorm, eh_proj, final norm
+            last_moe = self.moe is not None and self.moe.layer_pattern(self.num_layers)[-1] == 1
+            mtp_layer = per_layer + (moe_mlp if last_moe else dense_mlp) + 3 * h + 2 * h * h
+            total += self.mtp_num_layers * mtp_layer
         if include_embedding:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total
