@@ -24,7 +24,8 @@ worker's own batches), and the same digest of token ids and image grids (`batch_
 tokens/s counts each stack's own LLM tokens (image tokens included, padding excluded). MFU = step
 FLOPs / step time / 989 TFLOP/s, step FLOPs = LLM 6 N per token + attention 6 L h per pair of
 tokens of the same sample (DESIGN.md's 6 L h s with s each sample's real length, not the pack's)
-+ vision tower (bench/vlm_flops.py: 6 N per patch + bidirectional attention over the frame or window).
++ vision tower (loong_models.flops, as the train app's MFU: 6 N per patch + bidirectional attention
+over the frame or window).
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_app import run_train_app  # noqa: E402
-from vlm_flops import PEAK_BF16, StepCounts, VisionShape, llm_flops_packed, step_counts  # noqa: E402
+from vlm_flops import PEAK_BF16, step_counts  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,30 @@ class TextShape:
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """The ViT + patch merger sizes HF's Qwen2.5-VL config takes."""
+
+    depth: int
+    hidden: int
+    ffn: int
+    out_hidden: int
+    patch: int = 14
+    temporal_patch: int = 2
+    merge: int = 2
+    window_size: int = 112  # pixels; windowed layers attend within window_size x window_size
+    fullatt_blocks: tuple[int, ...] = (7, 15, 23, 31)
+    in_channels: int = 3
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch * self.patch * self.patch
+
+
+@dataclass(frozen=True)
 class BenchShape:
     text: TextShape
     vision: VisionShape
     vision_heads: int
-
-    def step_flops(self, counts: StepCounts) -> float:
-        t = self.text
-        llm = llm_flops_packed(t.num_parameters(), t.num_layers, t.hidden, counts.tokens, counts.token_pairs)
-        return llm + counts.vision_flops
 
 
 def bench_shape(model) -> BenchShape:
@@ -271,8 +287,7 @@ def train_overrides(args, jsonl: Path, workdir: Path) -> list[str]:
         f"model={args.model}", f"model.foundation.num_layers={args.text_layers}",
         f"model.image_encoder.num_layers={args.vision_layers}",
         f"model.image_encoder.fullatt_block_indexes=[{','.join(map(str, full))}]",
-        f"model.image_token_id={v.image_pad}", f"model.video_token_id={v.video_pad}",
-        f"model.vision_start_token_id={v.vision_start}", f"model.vision_end_token_id={v.vision_end}",
+        *(f"model.{key}={i}" for key, i in asdict(v).items()),  # the vision token ids
         f"data.multimodal.jsonl=[{jsonl}]", f"data.multimodal.min_pixels={pixels}",
         f"data.multimodal.max_pixels={pixels}", f"data.multimodal.samples_per_shard={per_shard}",
         f"data.seq_length={args.seq}", f"data.cache_dir={workdir}/data-cache",
@@ -320,8 +335,7 @@ def hf_worker(args) -> None:
     cfg = compose(overrides)
     shape = bench_shape(cfg.model)
     m = cfg.model
-    ids = dict(image_token_id=m.image_token_id, video_token_id=m.video_token_id,
-               vision_start_token_id=m.vision_start_token_id, vision_end_token_id=m.vision_end_token_id)  # fmt: skip
+    ids = asdict(m.vision_token_ids)
     data = run_data(cfg, step_layout(cfg, num_microbatches=cfg.train.global_batch_size // cfg.train.micro_batch_size))
     batches = data.train_steps()
     torch.manual_seed(0)
@@ -362,14 +376,14 @@ def hf_worker(args) -> None:
         loss.item()
         sync()
         times.append(time.perf_counter() - t0)
-        c = step_counts(mbs, shape.vision, data.tokenizer.pad_id)
+        c = step_counts(mbs, m, data.tokenizer.pad_id)
         hf_tokens = sum(int(s["tokens"].shape[0]) for s in samples)
         hf_images = sum(int(s["image_grid_thw"].shape[0]) for s in samples if "image_grid_thw" in s)
         if (hf_tokens, hf_images) != (c.tokens, c.images):
             raise SystemExit(f"HF batches hold {hf_tokens} tokens / {hf_images} images, the packs {c.tokens} / {c.images}")
         # its own counts (of the samples it batched, checked against the packs above) and the packs' digest
         counts.append({"tokens": hf_tokens, "images": hf_images, "patches": c.patches, "vision_flops": c.vision_flops,
-                       "samples": len(samples), "digest": batch_digest(mbs), "flops": shape.step_flops(c)})  # fmt: skip
+                       "samples": len(samples), "digest": batch_digest(mbs), "flops": c.flops})  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     print(json.dumps({"step_times": times, "counts": counts, "peak_gib": peak,
                       "params": sum(p.numel() for p in model.parameters())}))  # fmt: skip
@@ -486,7 +500,8 @@ def main() -> None:
     shape = bench_shape(cfg.model)
     counts = hf["counts"]
     kept = counts[args.warmup :]
-    n_llm, n_vis = shape.text.num_parameters(), shape.vision.block_params() + shape.vision.merger_params()
+    n_llm = shape.text.num_parameters()
+    n_vis = cfg.model.num_parameters() - cfg.model.foundation.num_parameters()  # encoder + projector
     print(f"\n{args.model} with {args.text_layers} LLM / {args.vision_layers} ViT layers: {(n_llm + n_vis) / 1e9:.3f}B "
           f"params ({n_llm / 1e9:.3f}B LLM + {n_vis / 1e9:.3f}B vision; HF built {hf['params'] / 1e9:.3f}B), "
           f"seq {args.seq}, {args.samples_per_step} samples/step x {args.images_per_sample} images of "

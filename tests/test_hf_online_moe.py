@@ -16,7 +16,6 @@ VOCAB = 8192  # covers the bundled 8k tokenizer
 
 
 @pytest.mark.dist
-@pytest.mark.slow
 def test_moe_from_hf_dir_at_ep2_equals_converted_checkpoint(tmp_path, data_cache):
     import transformers
     from safetensors.torch import load_file

@@ -171,12 +171,11 @@ def test_lora_needs_init_from_and_align_needs_something_to_train(run_train):
 @pytest.mark.parametrize(
     "layout",
     [
-        ["parallel.tp=2"],  # in the default run; the other layouts are slow (a launch each)
-        pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true"], marks=pytest.mark.slow),
-        pytest.param(["parallel.distributed_optimizer=true"], marks=pytest.mark.slow),
-        pytest.param(["parallel.pp=2"], marks=pytest.mark.slow),
+        ["parallel.tp=2", "parallel.sequence_parallel=true"],  # TP=2 with SP: one launch covers both
+        ["parallel.distributed_optimizer=true"],
+        ["parallel.pp=2"],
     ],
-    ids=["tp2", "tp2-sp", "dp2-distopt", "pp2"],
+    ids=["tp2-sp", "dp2-distopt", "pp2"],
 )
 def test_lora_at_two_processes_equals_one(base_and_lora, layout):
     run, base_ckpt, lora = base_and_lora

@@ -65,8 +65,8 @@ class BigramKind:
         loss = model(batch["tokens"].to(device), batch["labels"].to(device))
         return loss, partial(masked_token_loss, batch["loss_mask"].to(device))
 
-    def flops(self, *, tokens: int, patches: int, seq_length: int) -> float:
-        return 6.0 * (WIDTH * 4 * WIDTH + 4 * WIDTH * VOCAB) * tokens
+    def flops(self, counts, *, seq_length: int) -> float:
+        return 6.0 * (WIDTH * 4 * WIDTH + 4 * WIDTH * VOCAB) * counts.tokens
 
     def cost_shape(self) -> dict[str, int]:
         return dict(num_parameters=VOCAB * WIDTH, num_layers=1, attention_width=0)

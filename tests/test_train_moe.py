@@ -80,13 +80,9 @@ def test_tiny_deepseek_v3_trains_and_logs_router_stats(tmp_path, data_cache):
 @pytest.mark.parametrize(
     "model, layout",
     [
-        ("deepseek-v3-tiny", ["parallel.ep=2"]),  # experts 4 + 4, dense part DP=2 (in the default run)
+        ("deepseek-v3-tiny", ["parallel.ep=2"]),  # experts 4 + 4, dense part DP=2
         # dense part TP=2 (+ SP), experts EP=2 with expert TP=1: the same 2 ranks, two layouts
-        pytest.param(
-            "qwen3-moe-tiny",
-            ["parallel.ep=2", "parallel.tp=2", "parallel.etp=1", "parallel.sequence_parallel=true"],
-            marks=pytest.mark.slow,
-        ),
+        ("qwen3-moe-tiny", ["parallel.ep=2", "parallel.tp=2", "parallel.etp=1", "parallel.sequence_parallel=true"]),
     ],
     ids=["deepseek-ep2", "qwen3moe-ep2-tp2"],
 )

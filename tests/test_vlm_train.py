@@ -149,12 +149,13 @@ def vlm_reference(vlm_init):
 @pytest.mark.parametrize(
     "layout",
     [
-        # DP=2: each rank packs and encodes its half of every global batch (slow: TP=2 covers 2 ranks)
-        pytest.param([], marks=pytest.mark.slow),
-        ["parallel.tp=2"],
-        # encoder TP=1 inside TP=2: see the next test
+        [],  # DP=2: each rank packs and encodes its half of every global batch
+        ["parallel.tp=2"],  # the image encoder split with the foundation
+        # the image encoder replicated (TP=1) inside the foundation's TP=2 (saving, resuming and
+        # exporting this layout: tests/test_vlm_layouts_ckpt.py)
+        ["parallel.tp=2", "model.image_encoder.tensor_model_parallel_size=1"],
     ],
-    ids=["dp2", "tp2"],
+    ids=["dp2", "tp2", "tp2-encoder-tp1"],
 )
 def test_vlm_two_processes_match_single_process(vlm_reference, run_vlm, layout):
     """torchrun, 2 processes, gloo: the same losses as one process from the same weights."""
@@ -179,17 +180,3 @@ def test_alignment_phase_trains_only_the_projector(vlm_init, run_vlm):
         assert torch.equal(before[key], after[key]), f"{key} changed although its component is frozen"
     changed = [k for k in before if k.startswith("image_projector.") and not torch.equal(before[k], after[k])]
     assert changed, "the projector did not train"
-
-
-@pytest.mark.slow
-@pytest.mark.dist
-def test_vlm_encoder_tp1_inside_tp2_matches_single_process(run_vlm):
-    """The image encoder replicated (TP=1) inside the foundation's TP=2; both runs start from the
-    seed (the CPU init is layout independent). Saving, resuming and exporting this layout:
-    tests/test_vlm_layouts_ckpt.py."""
-    common = ["train.steps=3", "train.eval_interval=0", "train.save_final=false"]
-    single = run_vlm(common, name="single").check().losses()
-    layout = ["parallel.tp=2", "model.image_encoder.tensor_model_parallel_size=1"]
-    losses = run_vlm([*common, *layout], nproc=2, name="etp1").check().losses()
-    for step, loss in single.items():
-        assert abs(losses[step] - loss) <= 1e-4, f"step {step}: {losses[step]} vs single-process {loss}"

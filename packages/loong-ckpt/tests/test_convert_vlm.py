@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loong_ckpt import ConversionError, hf_to_mcore, mcore_to_hf
-from loong_ckpt.testing import DictReader, get_converted_vlm, logits_in_process, run_workers
+from loong_ckpt.testing import DictReader, get_converted_vlm, logits_in_process, run_layouts
 from loong_ckpt.testing.hf_models import VLM_TOKENS, hf_vlm_logits, make_hf_vlm
 
 TOL = 1e-4
@@ -362,26 +362,23 @@ def test_online_load_needs_the_same_model(vlm):
             load_hf_weights(vlm.hf, [model], wider)
 
 
+# (tp, pp, encoder tp, sources): the ViT split with the foundation; the ViT and projector whole on
+# each rank (encoder TP=1; only the online load: megatron's dist-checkpoint load of that layout
+# rejects the projector's replicated tensors (duplicate replica ids), a loong-models issue); PP=2
+# with the encoder and projector on the first stage.
+VLM_LAYOUTS = [(2, 1, None, ("ckpt", "hf")), (2, 1, 1, ("hf",)), (1, 2, None, ("ckpt", "hf"))]
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize(
-    "tp,pp,etp,kinds",
-    [
-        (2, 1, None, ("ckpt", "hf")),
-        # ~40 s of CPU per torchrun launch: the other layouts are slow (they still run in CI)
-        pytest.param(2, 1, 1, ("hf",), marks=pytest.mark.slow),
-        pytest.param(1, 2, None, ("ckpt", "hf"), marks=pytest.mark.slow),
-    ],
-    ids=["tp2", "tp2-encoder-tp1", "pp2"],
-)
-def test_parallel_logits_match_hf(vlm, tmp_path, tp, pp, etp, kinds):
-    """torchrun, 2 processes, gloo. TP=2: the foundation and the ViT both split over 2 ranks, or the
-    ViT and projector whole on each rank (encoder TP=1); PP=2: the encoder and projector on the
-    first stage. From the converted checkpoint and from the HF directory loaded online. (With the
-    encoder at TP=1 only the online load: megatron's dist-checkpoint load of that layout rejects
-    the projector's replicated tensors (duplicate replica ids), a loong-models issue.)"""
+def test_parallel_logits_match_hf(vlm, tmp_path):
+    """One torchrun launch, 2 processes, gloo, three layouts (VLM_LAYOUTS), each from the converted
+    checkpoint and / or the HF directory loaded online: the logits equal HF's."""
     sources = {"ckpt": vlm.ckpt, "hf": vlm.hf}
-    jobs = [(sources[kind], vlm.tokens, tmp_path / f"{kind}.pt") for kind in kinds]
-    for (src, _, _), logits in zip(jobs, run_workers(jobs, tp=tp, pp=pp, encoder_tp=etp)):
+    jobs = [dict(source=str(sources[kind]), tokens=str(vlm.tokens), out=str(tmp_path / f"{kind}-{tp}-{pp}-{etp}.pt"),
+                 tp=tp, pp=pp, encoder_tp=etp)
+            for tp, pp, etp, kinds in VLM_LAYOUTS for kind in kinds]  # fmt: skip
+    for job, logits in zip(jobs, run_layouts(jobs), strict=True):
         assert logits.shape == vlm.ref.shape
         diff = (logits - vlm.ref).abs().max().item()
-        assert diff <= TOL, f"{src} at tp={tp} pp={pp} encoder tp={etp}: max abs diff {diff}"
+        layout = f"tp={job['tp']} pp={job['pp']} encoder tp={job['encoder_tp']}"
+        assert diff <= TOL, f"{job['source']} at {layout}: max abs diff {diff}"

@@ -131,10 +131,13 @@ def test_loss_mask_is_on_assistant_tokens_only(chat: ChatTokenizer) -> None:
     answers = [m["content"][0]["text"] for m in messages if m["role"] == "assistant"]
     assert chat.hf.decode(labels[mask.bool()].tolist()) == "".join(a + "<|im_end|>" for a in answers)
     # The image placeholder became 4 pads between vision start/end, none of them a target.
-    pads = (tokens == chat.vision.image_pad).nonzero().flatten().tolist()
+    pads = (tokens == chat.vision.image_token_id).nonzero().flatten().tolist()
     assert len(pads) == 4 and pads == list(range(pads[0], pads[0] + 4))
-    assert tokens[pads[0] - 1] == chat.vision.vision_start and tokens[pads[-1] + 1] == chat.vision.vision_end
-    assert mask[labels == chat.vision.image_pad].sum() == 0
+    assert (
+        tokens[pads[0] - 1] == chat.vision.vision_start_token_id
+        and tokens[pads[-1] + 1] == chat.vision.vision_end_token_id
+    )
+    assert mask[labels == chat.vision.image_token_id].sum() == 0
 
 
 def test_chatml_templates_without_generation_tags_mask_the_same(chat: ChatTokenizer) -> None:

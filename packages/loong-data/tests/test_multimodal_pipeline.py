@@ -73,8 +73,8 @@ def _check_packs(data: PackedMultimodalDataset, chat: ChatTokenizer, n: int) -> 
         assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == SEQ_LEN
         assert batch["max_seqlen"] == int((cu[1:] - cu[:-1]).max()) <= SEQ_LEN
         for pad, pv, grid in (
-            (chat.vision.image_pad, "pixel_values", "image_grid_thw"),
-            (chat.vision.video_pad, "pixel_values_videos", "video_grid_thw"),
+            (chat.vision.image_token_id, "pixel_values", "image_grid_thw"),
+            (chat.vision.video_token_id, "pixel_values_videos", "video_grid_thw"),
         ):
             g = batch[grid]
             assert g.dtype == torch.int64 and g.shape[1] == 3
@@ -82,11 +82,12 @@ def _check_packs(data: PackedMultimodalDataset, chat: ChatTokenizer, n: int) -> 
             assert int((tokens == pad).sum()) == int(g.prod(-1).sum()) // CONFIG.merge_size**2
         # Targets are assistant tokens only: never a media pad, a user-turn token or padding.
         assert (
-            mask[labels == chat.vision.image_pad].sum() == 0 and mask[labels == chat.im_start_id].sum() == 0
+            mask[labels == chat.vision.image_token_id].sum() == 0
+            and mask[labels == chat.im_start_id].sum() == 0
         )
         assert (mask == 0).sum() > 0 and (mask == 1).sum() > 0
         # One vision span per media, each a run of pads between start and end.
-        starts = (tokens[0] == chat.vision.vision_start).nonzero().flatten()
+        starts = (tokens[0] == chat.vision.vision_start_token_id).nonzero().flatten()
         assert len(starts) == batch["image_grid_thw"].shape[0] + batch["video_grid_thw"].shape[0]
     return batches
 
@@ -203,7 +204,7 @@ def test_overflow_policies(shards: Path, chat: ChatTokenizer) -> None:
     raw = _long_raw(shards)
     full = encode_sample(raw, chat, CONFIG, seq_length=SEQ_LEN)
     assert len(full.media) == 4 and len(full) < SEQ_LEN  # 4 digits of 4x4 patches: 4 tokens each
-    starts = (full.tokens == chat.vision.vision_start).nonzero().flatten().tolist()
+    starts = (full.tokens == chat.vision.vision_start_token_id).nonzero().flatten().tolist()
     limit = starts[2] + 2  # the cut would fall inside the third image
     with pytest.raises(
         MultimodalDataError, match=rf"sample .*#{raw['__key__']}: {len(full)} tokens, more than"
@@ -236,10 +237,10 @@ def test_truncation_never_cuts_an_image(chat: ChatTokenizer) -> None:
         "img1.jpg": good,
     }
     full = encode_sample(raw, chat, CONFIG, seq_length=1024)
-    second = (full.tokens == chat.vision.vision_start).nonzero().flatten().tolist()[1]
+    second = (full.tokens == chat.vision.vision_start_token_id).nonzero().flatten().tolist()[1]
     sample = encode_sample(raw, chat, CONFIG, seq_length=second + 5, overflow="truncate")
     assert len(sample) == second - 1 and len(sample.media) == 1 and len(sample.grids) == 1
-    assert int((sample.tokens == chat.vision.image_pad).sum()) == CONFIG.num_tokens(sample.grids[0])
+    assert int((sample.tokens == chat.vision.image_token_id).sum()) == CONFIG.num_tokens(sample.grids[0])
     assert sample.loss_mask.sum() > 0
     batch = collate_multimodal([sample], CONFIG)
     assert batch["tokens"].shape == (1, len(sample)) and batch["image_grid_thw"].shape == (1, 3)

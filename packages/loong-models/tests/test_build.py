@@ -79,7 +79,7 @@ def test_sdpa_matches_megatron_dot_product_attention(megatron_cpu):
 def test_layer_backend_choice():
     assert resolve_backend("auto", "cpu") == "local"
     assert resolve_backend("local", "cuda") == "local"
-    with pytest.raises(ValueError, match="allowed: auto, te, local"):
+    with pytest.raises(ValueError, match="'flash' is not a valid LayerBackend"):
         resolve_backend("flash", "cpu")
 
 
@@ -87,3 +87,20 @@ def test_block_spec_has_one_layer_spec_per_layer(megatron_cpu):
     config = build_transformer_config(tiny("llama", num_layers=3))
     block = decoder_block_spec(config, backend="local")
     assert len(block.layer_specs) == 3 and block.layer_norm is RMSNorm
+
+
+def test_the_local_backend_is_a_megatron_spec_provider():
+    from megatron.core.models.backends import LocalSpecProvider as MegatronLocal
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from loong_models.specs import LocalSpecProvider, dit_modules, projector_mlp_spec, spec_provider
+
+    local = spec_provider("local")
+    assert isinstance(local, LocalSpecProvider) and isinstance(local, MegatronLocal)
+    assert (local.core_attention(), local.layer_norm(rms_norm=True)) == (SDPAttention, RMSNorm)
+    assert (local.column_parallel_linear(), local.row_parallel_linear()) == (ColumnParallelLinear, RowParallelLinear)
+    assert not local.fuse_layernorm_and_linear()
+    # every component takes its modules from the provider
+    mlp = projector_mlp_spec("local")
+    assert (mlp.linear_fc1, mlp.linear_fc2) == (ColumnParallelLinear, RowParallelLinear)
+    assert dit_modules("local").core_attention is SDPAttention

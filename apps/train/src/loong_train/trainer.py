@@ -212,7 +212,7 @@ class Trainer:
             self.balancer.observe(mbs, result.compute_s)
         self.accel.synchronize()
         counts: StepCounts = self.data.counts(mbs, result.num_tokens)
-        flops = self.model.flops(tokens=counts.tokens, patches=counts.patches, seq_length=self.cfg.data.seq_length)
+        flops = self.model.flops(counts, seq_length=self.cfg.data.seq_length)
         self.window.add(counts, flops, step_time=time.perf_counter() - t0)
         return result
 

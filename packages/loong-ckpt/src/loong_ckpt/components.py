@@ -146,7 +146,7 @@ def mapping_of(cfg: Any) -> ModelMapping:
         if m.encoder_type == cfg.image_encoder.type:
             return m
     raise ConversionError(
-        f"no HF mapping is declared for model.image_encoder.type={cfg.image_encoder.type!r}; "
+        f"no HF mapping is declared for model.image_encoder.type={str(cfg.image_encoder.type)!r}; "
         f"types with one: {', '.join(m.encoder_type for m in MODEL_MAPPINGS.values())}"
     )
 

@@ -22,6 +22,7 @@ from loong_ckpt.composed import ComponentMapping, ModelMapping
 from loong_ckpt.families import get_mapping
 from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture, same_value, to_hf_config
 from loong_ckpt.mapping import GATE_UP, QKV, Rule, SliceReader, Split, Transform
+from loong_models.omni.mrope import VisionTokenIds
 
 # --- the vision tower's transforms ------------------------------------------------------------
 
@@ -128,7 +129,7 @@ def _projector_shapes(cfg: Any) -> AttentionShapes:
 # --- config.json <-> ModelConfig ----------------------------------------------------------------
 
 ENCODER_TYPE = "qwen2.5-vit"
-_TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+_TOKEN_IDS = tuple(f.name for f in dataclasses.fields(VisionTokenIds))  # HF's keys are the model's
 _VISION_DEFAULTS = {"hidden_act": "silu", "in_channels": 3}  # HF's own defaults
 # Vision fields the converted encoder determines (the rest are runtime knobs).
 _ENCODER_ARCH = ("type", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "patch_size",
@@ -245,7 +246,7 @@ def composed_hf_config(cfg: Any, dtype: torch.dtype, *, arch: str, model_type: s
     out = {"architectures": [arch], "model_type": model_type, "text_config": text,
            "vision_config": {"model_type": f"{model_type}_vision", **vision},
            "tie_word_embeddings": f.tie_word_embeddings, "dtype": dtype_name}  # fmt: skip
-    out.update({k: getattr(cfg, k) for k in _TOKEN_IDS if getattr(cfg, k, None) is not None})
+    out.update({k: v for k, v in dataclasses.asdict(cfg.vision_token_ids).items() if v is not None})
     return out
 
 

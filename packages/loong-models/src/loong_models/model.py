@@ -3,6 +3,8 @@ and for VLMs an ``image_encoder`` and an ``image_projector`` (OmniCombinationMod
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,9 +14,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from omegaconf import OmegaConf
 
+from loong_models import flops
 from loong_models.diffusion import FlowMatchingConfig, WanConfig, WanModel, build_wan_transformer_config
 from loong_models.diffusion.towers import TextEncoderConfig, VaeConfig
 from loong_models.embodied.pi05 import Pi05Config
+from loong_models.flops import Work
 from loong_models.foundation import FoundationConfig, build_foundation
 from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
 from loong_models.image_projector import (
@@ -24,9 +28,10 @@ from loong_models.image_projector import (
 )
 from loong_models.lora import LoraConfig, apply_lora
 from loong_models.omni import OmniCombinationModel, VisionTokenIds
-from loong_models.specs import resolve_backend
+from loong_models.specs import LayerBackend, resolve_backend
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+VISION_TOKEN_KEYS = tuple(f.name for f in dataclasses.fields(VisionTokenIds))  # also ModelConfig's keys
 
 
 @dataclass
@@ -44,7 +49,7 @@ class ModelConfig:
     # Multimodal RoPE: temporal position step per second of video (Qwen2.5-VL: 2).
     tokens_per_second: float = 2.0
     # Which layer implementations to use: auto (TE on CUDA when installed, else local), te, local.
-    layer_backend: str = "auto"
+    layer_backend: LayerBackend = LayerBackend.auto
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
     # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,
@@ -69,6 +74,11 @@ class ModelConfig:
     def is_multimodal(self) -> bool:
         return self.image_encoder is not None
 
+    @property
+    def vision_token_ids(self) -> VisionTokenIds:
+        """The vision token ids of a VLM (its ``*_token_id`` keys)."""
+        return VisionTokenIds(**{key: getattr(self, key) for key in VISION_TOKEN_KEYS})
+
     def validate(self, prefix: str = "model") -> None:
         if self.embodied is not None:
             return self.embodied.validate(f"{prefix}.embodied")
@@ -82,10 +92,9 @@ class ModelConfig:
         if self.image_encoder is None:
             return
         self.image_encoder.validate(f"{prefix}.image_encoder")
-        self.image_projector.validate(f"{prefix}.image_projector")
         if self.image_token_id is None:
             raise ValueError(f"{prefix}.image_token_id is required for a VLM (the id of <|image_pad|>)")
-        for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        for key in VISION_TOKEN_KEYS:
             v = getattr(self, key)
             if v is not None and not 0 <= v < self.foundation.vocab_size:
                 raise ValueError(f"{prefix}.{key}={v} is outside the vocabulary (foundation.vocab_size="
@@ -148,12 +157,11 @@ class ModelConfig:
 
     def check_tokenizer(self, vocab_size: int, vision: Any = None, *, source: str = "the tokenizer") -> None:
         """Raise ValueError naming the key when a tokenizer's ids do not fit this model: its
-        vocabulary, and (``vision``: ids ``image_pad``, ``video_pad``, ``vision_start``,
-        ``vision_end``, e.g. loong-data's ChatTokenizer.vision) a VLM's vision token ids."""
+        vocabulary, and (``vision``: the tokenizer's ids under :class:`VisionTokenIds`' names, e.g.
+        loong-data's ChatTokenizer.vision) a VLM's vision token ids."""
         if self.image_encoder is not None and vision is not None:
-            for key, token in (("image_token_id", "image_pad"), ("video_token_id", "video_pad"),
-                               ("vision_start_token_id", "vision_start"), ("vision_end_token_id", "vision_end")):  # fmt: skip
-                mine, theirs = getattr(self, key), getattr(vision, token)
+            for key in VISION_TOKEN_KEYS:
+                mine, theirs = getattr(self, key), getattr(vision, key)
                 if mine is not None and mine != theirs:
                     raise ValueError(f"model.{key}={mine} but the tokenizer ({source}) has id {theirs} for "
                                      f"that token; set model.{key}={theirs}")  # fmt: skip
@@ -167,22 +175,15 @@ class ModelConfig:
             raise ValueError(f"model.{key}.vocab_size={size} is smaller than the "
                              f"tokenizer's vocabulary ({vocab_size}, {source})")  # fmt: skip
 
-    def flops_per_patch(self) -> float:
-        """Training FLOPs per ViT patch of the image encoder and projector, 6 N per token (the
-        projector runs on patches / merge**2 tokens); the ViT's attention is not counted (a few
-        percent at 448 px). 0 for a text-only model."""
-        e = self.image_encoder
-        if e is None:
-            return 0.0
-        proj = self.image_projector.num_parameters(e.hidden_size, e.spatial_merge_size, self.foundation.hidden_size,
-                                                   len(e.deepstack_visual_indexes))  # fmt: skip
-        return 6 * e.num_parameters() + 6 * proj / e.spatial_merge_size**2
+    def work(self, sample_lengths: Iterable[int] = (), grids: Iterable[Sequence[int]] = ()) -> Work:
+        """The additive counts (:class:`loong_models.flops.Work`) of samples of these real token
+        counts and images / videos of these ``(t, h, w)`` patch grids."""
+        return flops.work(self, sample_lengths, grids)
 
-    def training_flops(self, *, tokens: int, seq_length: int, patches: int = 0) -> float:
-        """The model's training FLOPs for ``tokens`` tokens in ``seq_length``-token sequences and
-        ``patches`` image patches: what MFU and the benches count."""
-        flops = self.foundation.flops_per_token(seq_length) * tokens
-        return flops + self.flops_per_patch() * patches if patches else flops
+    def training_flops(self, counts: Work) -> float:
+        """Training FLOPs of ``counts`` (forward + backward; loong_models.flops): what the
+        trainer's MFU and the benches count."""
+        return flops.training_flops(self, counts)
 
 
 def zoo_names() -> list[str]:
@@ -299,7 +300,7 @@ def build_model(
             _apply_component_settings(module, component.freeze, replicated=etp < ftp)
     model = OmniCombinationModel(
         config, foundation, encoder, projector,
-        token_ids=VisionTokenIds(cfg.image_token_id, cfg.video_token_id),
+        token_ids=cfg.vision_token_ids,
         spatial_merge_size=enc_cfg.spatial_merge_size,
         mrope=cfg.foundation.mrope_section is not None,
         tokens_per_second=cfg.tokens_per_second,

@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from enum import StrEnum
 
+from megatron.core.models.backends import BackendSpecProvider
+from megatron.core.models.backends import LocalSpecProvider as MegatronLocalSpecProvider
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -30,7 +34,13 @@ from loong_models.attention import DSAttention, DSAttentionSubmodules, Lightning
 from loong_models.log import logger
 from loong_models.norm import RMSNorm
 
-BACKENDS = ("auto", "te", "local")
+
+class LayerBackend(StrEnum):
+    """Which layer implementations a model uses (``model.layer_backend``)."""
+
+    auto = "auto"  # te on CUDA when transformer-engine imports, else local
+    te = "te"  # megatron-core's transformer-engine spec
+    local = "local"  # megatron-core's local modules, SDPA attention, Loong's RMSNorm
 
 
 @functools.cache
@@ -42,10 +52,9 @@ def te_installed() -> bool:
     return bool(HAVE_TE)
 
 
-def resolve_backend(backend: str, device_type: str) -> str:
+def resolve_backend(backend: LayerBackend | str, device_type: str) -> str:
     """``auto`` -> ``te`` on CUDA when TE imports, else ``local``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"model.layer_backend={backend!r}; allowed: {', '.join(BACKENDS)}")
+    backend = LayerBackend(backend)  # a config's value is one already; a caller's string may not be
     if backend == "auto":
         return "te" if device_type == "cuda" and te_installed() else "local"
     if backend == "te" and not te_installed():
@@ -54,6 +63,32 @@ def resolve_backend(backend: str, device_type: str) -> str:
             "(install loong-models[te] on a CUDA machine)"
         )
     return backend
+
+
+class LocalSpecProvider(MegatronLocalSpecProvider):
+    """The ``local`` backend as a megatron spec provider: megatron's local linears, with
+    :class:`SDPAttention` as core attention and loong-kernels' RMSNorm."""
+
+    def linear(self) -> type:
+        """A linear not split over TP (MLA's down projections), as TESpecProvider.linear."""
+        return ColumnParallelLinear
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        return RMSNorm if rms_norm else WrappedTorchNorm
+
+    def core_attention(self) -> type:
+        return SDPAttention
+
+
+def spec_provider(backend: str) -> BackendSpecProvider:
+    """The modules of a resolved backend (:func:`resolve_backend`): TE's, or the local ones."""
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return LocalSpecProvider()
 
 
 def decoder_block_spec(
@@ -81,11 +116,12 @@ def _decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: in
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=backend == "te", normalization="RMSNorm", vp_stage=vp_stage
     )
+    provider = spec_provider(backend)
     if uses_sparse_attention(config):
         logger.debug(
             "layer spec: absorbed MLA + DeepSeek sparse attention (loong-kernels), %s linears", backend
         )
-        layers = [_dsa_layer(s, backend) for s in block.layer_specs]
+        layers = [_dsa_layer(s, provider) for s in block.layer_specs]
         return dataclasses.replace(
             block, layer_specs=layers, layer_norm=RMSNorm if backend == "local" else block.layer_norm
         )
@@ -94,7 +130,7 @@ def _decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: in
         return block
     logger.debug("layer spec: local megatron modules + SDPA + loong-kernels RMSNorm")
     return dataclasses.replace(
-        block, layer_specs=[_local_layer(s) for s in block.layer_specs], layer_norm=RMSNorm
+        block, layer_specs=[_local_layer(s, provider) for s in block.layer_specs], layer_norm=RMSNorm
     )
 
 
@@ -118,14 +154,16 @@ def mtp_block_spec(config: TransformerConfig, block, *, backend: str, vp_stage: 
 _ATTENTION_NORMS = ("q_layernorm", "k_layernorm", "kv_layernorm")
 
 
-def _local_layer(spec: ModuleSpec, norm: type = RMSNorm) -> ModuleSpec:
-    """GQA or MLA attention with SDPA core attention; the MLP (dense, or MoE: megatron's router,
-    SequentialMLP experts and shared experts) stays megatron's local spec."""
+def _local_layer(spec: ModuleSpec, provider: BackendSpecProvider, rms_norm: bool = True) -> ModuleSpec:
+    """megatron's local layer spec with the local provider's core attention and norms (GQA or
+    MLA attention); the MLP (dense, or MoE: megatron's router, SequentialMLP experts and shared
+    experts) stays megatron's local spec."""
+    norm = provider.layer_norm(rms_norm=rms_norm)
     sub = spec.submodules
     attn = sub.self_attention
     attn_sub = attn.submodules
     norms = {k: norm for k in _ATTENTION_NORMS if getattr(attn_sub, k, IdentityOp) is not IdentityOp}
-    attn_sub = dataclasses.replace(attn_sub, core_attention=SDPAttention, **norms)
+    attn_sub = dataclasses.replace(attn_sub, core_attention=provider.core_attention(), **norms)
     sub = dataclasses.replace(
         sub,
         self_attention=dataclasses.replace(attn, submodules=attn_sub),
@@ -140,21 +178,14 @@ def uses_sparse_attention(config: TransformerConfig) -> bool:
     return bool(getattr(config, "multi_latent_attention", False)) and config.dsa_indexer_topk is not None
 
 
-def _dsa_attention(backend: str) -> ModuleSpec:
+def _dsa_attention(provider: BackendSpecProvider) -> ModuleSpec:
     from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
         AbsorbedMLASelfAttention,
         AbsorbedMLASelfAttentionSubmodules,
     )
 
-    if backend == "te":  # the linears megatron's own DSA spec takes from TE
-        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-
-        te = TESpecProvider()
-        down, column, row = te.linear(), te.column_parallel_linear(), te.row_parallel_linear()
-    else:
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-        down, column, row = ColumnParallelLinear, ColumnParallelLinear, RowParallelLinear
+    # the linears megatron's own DSA spec takes from its provider
+    down, column, row = provider.linear(), provider.column_parallel_linear(), provider.row_parallel_linear()
     return ModuleSpec(
         module=AbsorbedMLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -175,11 +206,11 @@ def _dsa_attention(backend: str) -> ModuleSpec:
     )
 
 
-def _dsa_layer(spec: ModuleSpec, backend: str) -> ModuleSpec:
+def _dsa_layer(spec: ModuleSpec, provider: BackendSpecProvider) -> ModuleSpec:
     norms = dict(input_layernorm=RMSNorm)
-    if backend == "local":
-        norms["pre_mlp_layernorm"] = RMSNorm  # TE fuses it into the MLP's first linear
-    sub = dataclasses.replace(spec.submodules, self_attention=_dsa_attention(backend), **norms)
+    if not provider.fuse_layernorm_and_linear():  # TE fuses it into the MLP's first linear
+        norms["pre_mlp_layernorm"] = RMSNorm
+    sub = dataclasses.replace(spec.submodules, self_attention=_dsa_attention(provider), **norms)
     return dataclasses.replace(spec, submodules=sub)
 
 
@@ -224,18 +255,12 @@ def vision_block_spec(
     from loong_models.image_encoder.layers import WindowAttentionLayer
 
     rms = config.normalization == "RMSNorm"
+    provider = spec_provider(backend)
+    final_norm = provider.layer_norm(rms_norm=rms)  # TENorm takes the norm type from config.normalization
     if backend == "te":
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        # TE's fused norm-linears and TENorm take the norm type from config.normalization
-        base, final_norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
+        base = get_gpt_layer_with_transformer_engine_spec()
     else:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        base = get_gpt_layer_local_spec(normalization=config.normalization)
-        norm = RMSNorm if rms else WrappedTorchNorm
-        final_norm = norm
-        base = _local_layer(base, norm=norm)
+        base = _local_layer(get_gpt_layer_local_spec(normalization=config.normalization), provider, rms)
     attn = base.submodules.self_attention
     attn = dataclasses.replace(attn, params={**attn.params, "attn_mask_type": AttnMaskType.no_mask})
     base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=attn))
@@ -249,13 +274,10 @@ def projector_mlp_spec(backend: str):
     """The image projector's two linears: column- then row-parallel (TE's on the TE backend)."""
     from megatron.core.transformer.mlp import MLPSubmodules
 
-    if backend == "te":
-        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
-
-        return MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear)
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    provider = spec_provider(backend)
+    return MLPSubmodules(
+        linear_fc1=provider.column_parallel_linear(), linear_fc2=provider.row_parallel_linear()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,14 +292,5 @@ class DiTModules:
 def dit_modules(backend: str) -> DiTModules:
     """Column- / row-parallel linears and core attention of a DiT layer (Wan): TE's on the TE
     backend, megatron's local linears with :class:`SDPAttention` elsewhere."""
-    if backend == "te":
-        from megatron.core.extensions.transformer_engine import (
-            TEColumnParallelLinear,
-            TEDotProductAttention,
-            TERowParallelLinear,
-        )
-
-        return DiTModules(TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention)
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    return DiTModules(ColumnParallelLinear, RowParallelLinear, SDPAttention)
+    p = spec_provider(backend)
+    return DiTModules(p.column_parallel_linear(), p.row_parallel_linear(), p.core_attention())

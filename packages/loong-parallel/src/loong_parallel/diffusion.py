@@ -75,9 +75,9 @@ class DiffusionModel:
         objective = FlowMatching(self.cfg.flow_matching or FlowMatchingConfig())
         return partial(diffusion_forward_step, device, objective, self.seed)
 
-    def flops(self, *, tokens: int, patches: int, seq_length: int) -> float:
-        """``tokens`` latent tokens in samples of ``seq_length`` tokens (data.seq_length)."""
-        return tokens * self.cfg.diffusion.flops_per_token(seq_length)
+    def flops(self, counts, *, seq_length: int) -> float:
+        """The step's latent tokens in samples of ``seq_length`` tokens (data.seq_length)."""
+        return counts.tokens * self.cfg.diffusion.flops_per_token(seq_length)
 
     def cost_shape(self) -> dict[str, int]:
         d = self.cfg.diffusion

@@ -72,10 +72,10 @@ class EmbodiedPolicy:
     def forward_step(self, device: torch.device) -> Callable:
         return partial(policy_forward_step, device)
 
-    def flops(self, *, tokens: int, patches: int, seq_length: int) -> float:
+    def flops(self, counts, *, seq_length: int) -> float:
         """6 N per token (forward + backward), N without the embedding table; the vision tower's
-        work per image is not counted (its patches are not in ``tokens``)."""
-        return 6.0 * (self.cfg.num_parameters() - self.cfg.vocab_size * self.cfg.vlm.width) * tokens
+        work per image is not counted (its patches are not in ``counts.tokens``)."""
+        return 6.0 * (self.cfg.num_parameters() - self.cfg.vocab_size * self.cfg.vlm.width) * counts.tokens
 
     def cost_shape(self) -> dict[str, int]:
         v = self.cfg.vlm

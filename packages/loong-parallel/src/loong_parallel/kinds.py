@@ -18,6 +18,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_models import ModelConfig, build_model, build_transformer_config, fusion_fields, resolve_backend
+from loong_models.flops import Work
 from loong_parallel.component_groups import image_encoder_process_groups
 from loong_parallel.config import ParallelConfig
 from loong_parallel.encoder_layout import apply_encoder_layout, vision_shape
@@ -26,6 +27,14 @@ from loong_parallel.model import ModelProvider
 from loong_parallel.moe import RouterStats
 from loong_parallel.mtp import MTPStats
 from loong_parallel.runtime import runtime_transformer_fields
+
+
+class StepCounts(Protocol):
+    """What a step consumed, as its data counts it (loong_data.StepCounts)."""
+
+    tokens: int
+    token_pairs: int | None  # sum over samples of length**2; None: rows of data.seq_length
+    grids: tuple[tuple[int, int, int], ...]  # (t, h, w) patch grids of its images and videos
 
 
 @dataclass
@@ -57,7 +66,8 @@ class ModelKind(Protocol):
     def forward_step(self, device: torch.device) -> Callable:
         """megatron's ``forward_step_func(data_iterator, model, return_schedule_plan=False)``."""
 
-    def flops(self, *, tokens: int, patches: int, seq_length: int) -> float: ...
+    def flops(self, counts: StepCounts, *, seq_length: int) -> float:
+        """Training FLOPs of what a step consumed (its data's counts, summed over the DP group)."""
 
     def cost_shape(self) -> dict[str, int]:
         """``num_parameters``, ``num_layers``, ``attention_width``: the balancer's cost model
@@ -104,8 +114,12 @@ class LanguageModel:
     def forward_step(self, device: torch.device) -> Callable:
         return partial(lm_forward_step, device)
 
-    def flops(self, *, tokens: int, patches: int, seq_length: int) -> float:
-        return self.cfg.training_flops(tokens=tokens, seq_length=seq_length, patches=patches)
+    def flops(self, counts: StepCounts, *, seq_length: int) -> float:
+        """loong_models' count: each sample's attention over its real tokens, the ViT's per frame
+        and window."""
+        pairs = counts.tokens * seq_length if counts.token_pairs is None else counts.token_pairs
+        work = Work(tokens=counts.tokens, token_pairs=pairs) + self.cfg.work(grids=counts.grids)
+        return self.cfg.training_flops(work)
 
     def cost_shape(self) -> dict[str, int]:
         """The LLM's shape, and a VLM's vision tower (the multimodal balancer counts patches)."""

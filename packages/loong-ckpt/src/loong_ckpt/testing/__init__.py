@@ -5,6 +5,7 @@ Needs the test dependencies (pytest, transformers)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -43,20 +44,24 @@ def run_workers(
     """Loong logits of each (source, tokens, out) job at TP x PP (x EP), in one torchrun launch;
     ``read_log``: a directory where each rank lists the HF tensors it read; ``encoder_tp``: a VLM
     image encoder's own TP size."""
-    script = ["-m", "loong_ckpt.testing.parity_worker", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+    layout = dict(tp=tp, pp=pp, ep=ep, encoder_tp=encoder_tp)
+    return run_layouts([dict(source=str(s), tokens=str(t), out=str(o), **layout) for s, t, o in jobs],
+                       read_log=read_log)  # fmt: skip
+
+
+def run_layouts(jobs: list[dict], *, read_log: Path | None = None) -> list[torch.Tensor]:
+    """Loong logits of each job ``{source, tokens, out, tp, pp[, ep, encoder_tp]}`` in one torchrun
+    launch (importing megatron costs ~10 s per process): every layout must use the same world size."""
+    worlds = {j["tp"] * j["pp"] * j.get("ep", 1) for j in jobs}
+    assert len(worlds) == 1, f"one launch runs one world size, the jobs ask for {sorted(worlds)}"
+    jobs_file = Path(jobs[0]["out"]).with_name(Path(jobs[0]["out"]).stem + "-jobs.json")
+    jobs_file.write_text(json.dumps(jobs))
+    script = ["-m", "loong_ckpt.testing.parity_worker", "--jobs-file", str(jobs_file)]
     script += ["--read-log", str(read_log)] if read_log else []
-    script += ["--encoder-tp", str(encoder_tp)] if encoder_tp is not None else []
-    script += [str(x) for job in jobs for x in job]
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={tp * pp * ep}",
-    ]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={worlds.pop()}"]
     proc = subprocess.run([*launcher, *script], env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(out) for _, _, out in jobs]
+    return [torch.load(j["out"]) for j in jobs]
 
 
 def logits_in_process(source: Path, tokens: Path) -> torch.Tensor:

@@ -2,6 +2,10 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m loong_ckpt.testing.parity_worker --tp 2 --pp 1 [--ep 1] \
         <checkpoint or HF dir> <tokens.pt> <logits-out.pt> [<source> <tokens> <out> ...]
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m loong_ckpt.testing.parity_worker --jobs-file jobs.json
+
+A jobs file lists ``{"source", "tokens", "out", "tp", "pp", "ep", "encoder_tp"}`` objects: one launch
+runs several layouts of the same world size (the megatron groups are rebuilt between layouts).
 
 With ``--ep N`` (MoE models) the world has tp * pp * N ranks: data parallel N, experts split N ways;
 every rank runs the same tokens, so the logits of any data-parallel rank are the model's.
@@ -15,6 +19,7 @@ holds token ids [batch, seq], or for a VLM a dict of model inputs (``input_ids [
 from __future__ import annotations
 
 import argparse
+import json
 import warnings
 from pathlib import Path
 
@@ -97,25 +102,33 @@ def loong_logits(
     return out[..., : cfg.vocab_size].contiguous() if mpu.get_tensor_model_parallel_rank() == 0 else None
 
 
-def main() -> None:
+def _parse_jobs(argv: list[str] | None = None) -> tuple[list[dict], str | None]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--encoder-tp", type=int, default=None, help="a VLM image encoder's own TP size")
     ap.add_argument("--read-log", help="write the HF tensor names each rank reads to <dir>/rank<r>.txt")
-    ap.add_argument("jobs", nargs="+", help="source tokens.pt out.pt, repeated")
-    args = ap.parse_args()
-    if len(args.jobs) % 3:
+    ap.add_argument("--jobs-file", help="a JSON list of jobs, each with its own layout (see the module doc)")
+    ap.add_argument("jobs", nargs="*", help="source tokens.pt out.pt, repeated")
+    args = ap.parse_args(argv)
+    if args.jobs_file:
+        return json.loads(Path(args.jobs_file).read_text()), args.read_log
+    if not args.jobs or len(args.jobs) % 3:
         ap.error("jobs come in triples: source tokens out")
+    layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, encoder_tp=args.encoder_tp)
+    return [dict(source=a, tokens=b, out=c, **layout) for a, b, c in zip(*[iter(args.jobs)] * 3)], args.read_log
 
+
+def main() -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import loong_xpu
 
+    jobs, read_log = _parse_jobs()
     read: list[str] = []
-    if args.read_log:  # record what each rank reads from HF directories (EP ranks: their experts only)
+    if read_log:  # record what each rank reads from HF directories (EP ranks: their experts only)
         from loong_ckpt.hf_io import HFReader
 
         orig = HFReader.read
@@ -127,15 +140,19 @@ def main() -> None:
         HFReader.read = logged
     with loong_xpu.redirect_cuda(loong_xpu.get_accelerator("cpu")):
         dist.init_process_group("gloo")
-        mpu.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
-        model_parallel_cuda_manual_seed(0)
-        for i in range(0, len(args.jobs), 3):
-            source, tokens, out = args.jobs[i : i + 3]
-            logits = loong_logits(source, torch.load(tokens), encoder_tp=args.encoder_tp)
+        layout = None
+        for job in jobs:
+            if layout != (job["tp"], job["pp"], job.get("ep", 1)):
+                if layout is not None:
+                    mpu.destroy_model_parallel()
+                layout = (job["tp"], job["pp"], job.get("ep", 1))
+                mpu.initialize_model_parallel(layout[0], layout[1], expert_model_parallel_size=layout[2])
+                model_parallel_cuda_manual_seed(0)
+            logits = loong_logits(job["source"], torch.load(job["tokens"]), encoder_tp=job.get("encoder_tp"))
             if logits is not None and mpu.get_data_parallel_rank() == 0:
-                torch.save(logits, out)
-        if args.read_log:
-            Path(args.read_log, f"rank{dist.get_rank()}.txt").write_text("\n".join(read))
+                torch.save(logits, job["out"])
+        if read_log:
+            Path(read_log, f"rank{dist.get_rank()}.txt").write_text("\n".join(read))
         mpu.destroy_model_parallel()
         dist.destroy_process_group()
 

@@ -4,10 +4,20 @@ the normalisation they define."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 
 import numpy as np
 
-MODES = ("mean_std", "min_max", "quantiles")
+
+class NormMode(StrEnum):
+    """How a feature is mapped to roughly [-1, 1] (see :class:`Normalizer`)."""
+
+    mean_std = "mean_std"
+    min_max = "min_max"
+    quantiles = "quantiles"
+
+
+MODES = tuple(NormMode)
 
 
 def feature_stats(values: np.ndarray) -> dict[str, np.ndarray]:

@@ -26,12 +26,14 @@ class ConversationError(DataError):
 
 @dataclass(frozen=True)
 class VisionTokenIds:
-    """Ids of the vision special tokens, which the model needs (placeholders, mrope positions)."""
+    """Ids of the vision special tokens, which the model needs (placeholders, mrope positions).
+    Fields as ``loong_models.VisionTokenIds`` (the model's keys), which this package cannot import
+    (loong-data depends on no model package); the train app checks one against the other."""
 
-    vision_start: int
-    vision_end: int
-    image_pad: int
-    video_pad: int
+    image_token_id: int  # <|image_pad|>
+    video_token_id: int  # <|video_pad|>
+    vision_start_token_id: int  # <|vision_start|>
+    vision_end_token_id: int  # <|vision_end|>
 
 
 class ChatTokenizer:
@@ -55,7 +57,8 @@ class ChatTokenizer:
                     f"tokenizer {path}: no special token {token!r} (a vision chat tokenizer needs it)"
                 )
             ids[token] = int(token_id)
-        self.vision = VisionTokenIds(ids[VISION_START], ids[VISION_END], ids[IMAGE_PAD], ids[VIDEO_PAD])
+        self.vision = VisionTokenIds(image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
+                                     vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])  # fmt: skip
         self.im_start_id, self.im_end_id = ids[IM_START], ids[IM_END]
         self.vocab_size: int = len(hf_tokenizer)
         eod = hf_tokenizer.convert_tokens_to_ids(EOD_TOKEN)
@@ -106,7 +109,7 @@ class ChatTokenizer:
     def _expand(
         self, ids: list[int], mask: list[int], media_tokens: Sequence[int]
     ) -> tuple[list[int], list[int]]:
-        pads = (self.vision.image_pad, self.vision.video_pad)
+        pads = (self.vision.image_token_id, self.vision.video_token_id)
         found = sum(1 for t in ids if t in pads)
         if found != len(media_tokens):
             raise ConversationError(

@@ -196,8 +196,8 @@ def _truncate(
 ) -> tuple[list[int], list[int], int]:
     """Cut to ``limit`` ids, never inside a media span: a span that does not fit is dropped with its
     ``<|vision_start|>``, and so are the media after it. Returns the number of media kept."""
-    starts = [i for i, t in enumerate(ids) if t == tokenizer.vision.vision_start]
-    ends = [i for i, t in enumerate(ids) if t == tokenizer.vision.vision_end]
+    starts = [i for i, t in enumerate(ids) if t == tokenizer.vision.vision_start_token_id]
+    ends = [i for i, t in enumerate(ids) if t == tokenizer.vision.vision_end_token_id]
     cut, kept = limit, 0
     for start, end in zip(starts, ends):
         if end < cut:

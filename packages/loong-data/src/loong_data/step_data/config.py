@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from loong_data.lerobot.stats import NormMode
 from loong_data.packing import Strategy
 from loong_data.step_data.diffusion import DiffusionDataConfig
 
@@ -92,15 +93,13 @@ class LeRobotDataConfig:
     max_state_dim: int = 8
     max_action_dim: int = 8
     max_length: int = 48  # prompt tokens
-    norm_mode: str = "quantiles"  # mean_std | min_max | quantiles
+    norm_mode: NormMode = NormMode.quantiles
     val_episodes: int = 2  # the last episodes are held out for evaluation
 
     def errors(self) -> list[str]:
         errors = []
         if self.horizon < 1 or self.image_size < 1 or self.max_length < 1:
             errors.append("data.lerobot.horizon, image_size and max_length must be >= 1")
-        if self.norm_mode not in ("mean_std", "min_max", "quantiles"):
-            errors.append(f"data.lerobot.norm_mode={self.norm_mode!r}; allowed: mean_std, min_max, quantiles")
         if self.val_episodes < 1:
             errors.append(f"data.lerobot.val_episodes={self.val_episodes} must be >= 1 (evaluation needs held-out episodes)")
         return errors

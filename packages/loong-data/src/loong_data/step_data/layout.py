@@ -36,6 +36,10 @@ class StepCounts:
     patches: int = 0
     samples: int | None = None  # conversations (data kinds that count them)
     digest: int | None = None  # batch_digest of the step's micro-batches (summed over ranks, mod 2**32)
+    # Sum over the samples of their real length**2 (their attention work); None: every token
+    # attends within a row of data.seq_length (fixed rows).
+    token_pairs: int | None = None
+    grids: tuple[tuple[int, int, int], ...] = ()  # (t, h, w) patch grid of every image and video
 
 
 def batch_digest(microbatches: list[dict]) -> int:

@@ -97,26 +97,32 @@ class MultimodalStepData:
 
     def counts(self, microbatches: list[dict], loss_tokens: int) -> StepCounts:
         """Real tokens (padding excluded, image tokens included; the loss counts only assistant
-        tokens), images + videos, ViT patches and samples of the step, summed over the DP group
-        (a collective), and the digest of what the step trained on (:func:`batch_digest`)."""
-        tokens = images = patches = samples = 0
+        tokens), their attention pairs, images + videos with their patch grids, and samples of the
+        step, summed over the DP group (collectives), and the digest of what the step trained on
+        (:func:`batch_digest`)."""
+        tokens = pairs = samples = 0
+        grids: list[tuple[int, int, int]] = []
         for mb in microbatches:
             cu, ids = mb["cu_seqlens"], mb["tokens"][0]
             tail = slice(int(cu[-2]), int(cu[-1]))
             padded = len(cu) > 2 and bool((ids[tail] == self.tokenizer.pad_id).all()) and not bool(
                 mb["loss_mask"][0, tail].any()
             )
-            tokens += int(cu[-2]) if padded else int(ids.shape[0])
-            samples += len(cu) - 1 - int(padded)
+            lengths = torch.diff(cu).tolist()[: len(cu) - 1 - int(padded)]
+            tokens, pairs, samples = tokens + sum(lengths), pairs + sum(n * n for n in lengths), samples + len(lengths)
             for key in ("image_grid_thw", "video_grid_thw"):
-                if key in mb and len(mb[key]):
-                    images += int(mb[key].shape[0])
-                    patches += int(mb[key].prod(dim=1).sum())
-        t = torch.tensor([tokens, images, patches, samples, batch_digest(microbatches)], dtype=torch.float64,
+                if key in mb:
+                    grids += [tuple(g) for g in mb[key].tolist()]
+        t = torch.tensor([tokens, pairs, samples, batch_digest(microbatches)], dtype=torch.float64,
                          device=self.layout.device)  # fmt: skip
         dist.all_reduce(t, group=self.layout.dp_group)  # float64 holds sums of up to 2**21 CRCs exactly
-        tokens, images, patches, samples, digest = (int(x) for x in t.tolist())
-        return StepCounts(tokens=tokens, images=images, patches=patches, samples=samples, digest=digest % 2**32)
+        tokens, pairs, samples, digest = (int(x) for x in t.tolist())
+        everyone: list = [None] * dist.get_world_size(self.layout.dp_group)
+        dist.all_gather_object(everyone, grids, group=self.layout.dp_group)
+        grids = [g for rank in everyone for g in rank]
+        patches = sum(t * h * w for t, h, w in grids)
+        return StepCounts(tokens=tokens, images=len(grids), patches=patches, samples=samples,
+                          digest=digest % 2**32, token_pairs=pairs, grids=tuple(grids))  # fmt: skip
 
 
 def _forever(ds: PackedMultimodalDataset) -> Iterator[MultimodalSample]:

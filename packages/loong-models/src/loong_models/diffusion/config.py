@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-RECOMPUTE = (None, "selective", "full")
+
+class DiTRecompute(StrEnum):
+    full = "full"  # whole layers recomputed in the backward (null = off)
 
 
 @dataclass
@@ -37,7 +40,7 @@ class WanConfig:
     # Component-level settings (as for the other components)
     tensor_model_parallel_size: int | None = None
     freeze: bool = False
-    recompute: str | None = None  # None | "full" (whole layers recomputed in the backward)
+    recompute: DiTRecompute | None = None
     extra: dict = field(default_factory=dict)  # passed to the component's TransformerConfig
 
     @property
@@ -66,8 +69,6 @@ class WanConfig:
         if any(p % 2 for p in self.rope_split) or min(self.rope_split) < 2:
             raise ValueError(f"{prefix}.attention_head_dim={self.attention_head_dim} does not split into even "
                              f"frame/height/width RoPE parts {self.rope_split} (e.g. 24 or 128)")  # fmt: skip
-        if self.recompute not in (None, "full"):
-            raise ValueError(f"{prefix}.recompute={self.recompute!r}; allowed: null, full")
         if self.tensor_model_parallel_size is not None and self.tensor_model_parallel_size < 1:
             raise ValueError(f"{prefix}.tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
         if self.image_dim is not None and self.image_len < 1:

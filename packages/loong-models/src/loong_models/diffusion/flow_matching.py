@@ -15,10 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
-WEIGHTINGS = ("bell", "uniform")
+
+class Weighting(StrEnum):
+    """How the loss of a sample is weighted by its timestep."""
+
+    bell = "bell"  # Wan / DiffSynth
+    uniform = "uniform"
 
 
 @dataclass
@@ -27,11 +33,9 @@ class FlowMatchingConfig:
     num_train_timesteps: int = 1000
     min_boundary: float = 0.0  # fraction of the (descending) noise levels a sample may draw from
     max_boundary: float = 1.0
-    weighting: str = "bell"  # bell (Wan / DiffSynth) | uniform
+    weighting: Weighting = Weighting.bell
 
     def validate(self, prefix: str = "objective") -> None:
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"{prefix}.weighting={self.weighting!r}; allowed: {', '.join(WEIGHTINGS)}")
         if not 0.0 <= self.min_boundary < self.max_boundary <= 1.0:
             raise ValueError(f"{prefix}: need 0 <= min_boundary < max_boundary <= 1, got "
                              f"{self.min_boundary}, {self.max_boundary}")  # fmt: skip

@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-from loong_models.foundation.families import FAMILIES, Family, get_family
+from loong_models.choices import Recompute
+from loong_models.foundation.families import FAMILIES, Family, FamilyName, get_family
 from loong_models.foundation.mla import MLAConfig, SparseAttentionConfig
 from loong_models.foundation.moe import MoEConfig
 
-RECOMPUTE = (None, "selective", "full")
-# megatron-core's recompute_modules choices (selective recompute) that Loong's models contain.
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+class RecomputeModule(StrEnum):
+    """megatron-core's recompute_modules choices (selective recompute) that Loong's models contain."""
+
+    core_attn = "core_attn"
+    moe_act = "moe_act"
+    layernorm = "layernorm"
+    mla_up_proj = "mla_up_proj"
+    mlp = "mlp"
+    moe = "moe"
+    shared_experts = "shared_experts"
+
+
+class RopeType(StrEnum):
+    llama3 = "llama3"  # GQA families (megatron's RotaryEmbedding)
+    yarn = "yarn"  # MLA families (megatron's YaRN rotary embedding)
+
 
 # megatron-core implements exactly the Llama-3 RoPE scaling of HF's "llama3" rope_type with these
 # constants (RotaryEmbedding._apply_scaling); other values would silently be ignored.
@@ -27,7 +43,7 @@ class RopeScaling:
     """llama3 (GQA families) or yarn (MLA families: DeepSeek-V3's long-context RoPE, with its
     softmax-scale correction ``mscale_all_dim``); ``ROPE_TYPE_FIELDS`` names each type's keys."""
 
-    type: str = "llama3"
+    type: RopeType = RopeType.llama3
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -48,7 +64,7 @@ ROPE_TYPE_FIELDS = {
 class FoundationConfig:
     """A decoder-only LLM. Field names follow megatron-core where one exists."""
 
-    family: str = "llama"
+    family: FamilyName = FamilyName.llama
     num_layers: int = 2
     hidden_size: int = 64
     ffn_hidden_size: int = 256
@@ -79,10 +95,10 @@ class FoundationConfig:
     # Component-level overrides of the global settings (principle 4 of DESIGN.md).
     tensor_model_parallel_size: int | None = None
     freeze: bool = False
-    recompute: str | None = None  # None | "selective" | "full"
-    # With recompute=selective: which submodules to recompute (megatron's recompute_modules, see
-    # RECOMPUTE_MODULES); None = megatron's default (core_attn).
-    recompute_modules: list[str] | None = None
+    recompute: Recompute | None = None
+    # With recompute=selective: which submodules to recompute (megatron's recompute_modules);
+    # None = megatron's default (core_attn).
+    recompute_modules: list[RecomputeModule] | None = None
     # Multi-token prediction (DeepSeek-V3): this many extra layers after the decoder, the k-th
     # predicting token t+1+k from the decoder's state and token t+k's embedding (megatron's MTP
     # block: enorm, hnorm, eh_proj, one transformer layer like the decoder's last, a final norm;
@@ -117,8 +133,6 @@ class FoundationConfig:
                 f"{prefix}.num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"{prefix}.num_query_groups={self.query_groups}"
             )
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"{prefix}.recompute={self.recompute!r}; allowed: null, selective, full")
         if self.mrope_interleaved and self.mrope_section is None:
             raise ValueError(f"{prefix}.mrope_interleaved=true needs {prefix}.mrope_section")
         if self.mrope_section is not None:
@@ -140,9 +154,9 @@ class FoundationConfig:
 
     def _validate_rope_scaling(self, prefix: str) -> None:
         rs = self.rope_scaling
-        allowed = "yarn" if self.mla is not None else "llama3"  # megatron: YaRN in MLA, llama3 in RoPE
-        if rs.type != allowed:
-            raise ValueError(f"{prefix}.rope_scaling.type={rs.type!r}; allowed for this attention: {allowed}")
+        wanted = RopeType.yarn if self.mla is not None else RopeType.llama3  # megatron: YaRN in MLA, llama3 in RoPE
+        if rs.type != wanted:
+            raise ValueError(f"{prefix}.rope_scaling.type={str(rs.type)!r}; allowed for this attention: {wanted}")
         if self.sparse_attention is not None:  # Loong's DSA attention applies plain RoPE (attention/)
             raise ValueError(f"{prefix}.rope_scaling with sparse_attention (DSA) is not supported yet; set it to null")
         if rs.type == "llama3":
@@ -158,19 +172,14 @@ class FoundationConfig:
             return
         if self.recompute != "selective":
             raise ValueError(
-                f"{prefix}.recompute_modules={self.recompute_modules} needs {prefix}.recompute=selective "
-                f"(got {self.recompute!r})"
+                f"{prefix}.recompute_modules=[{', '.join(self.recompute_modules)}] needs "
+                f"{prefix}.recompute=selective (got {self.recompute and str(self.recompute)})"
             )
-        for m in self.recompute_modules:
-            if m not in RECOMPUTE_MODULES:
-                raise ValueError(
-                    f"{prefix}.recompute_modules: {m!r} is unknown; allowed: {', '.join(RECOMPUTE_MODULES)}"
-                )
         needs = {"mla_up_proj": ("mla", "an MLA family"), "moe": ("moe", "a moe: config"),
                  "moe_act": ("moe", "a moe: config")}  # fmt: skip
         for m, (key, what) in needs.items():
             if m in self.recompute_modules and getattr(self, key) is None:
-                raise ValueError(f"{prefix}.recompute_modules: {m!r} needs {what}")
+                raise ValueError(f"{prefix}.recompute_modules: {str(m)!r} needs {what}")
         shared = self.moe is not None and self.moe.shared_expert_intermediate_size
         if "shared_experts" in self.recompute_modules and not shared:
             raise ValueError(
@@ -260,7 +269,12 @@ class FoundationConfig:
         """Parameters used per token (equals :meth:`num_parameters` for a dense model)."""
         return self.num_parameters(include_embedding, active=True)
 
+    def training_flops(self, tokens: int, token_pairs: int) -> float:
+        """Training FLOPs (DESIGN.md) of ``tokens`` tokens: 6 N per token for the weights it uses
+        (active parameters of an MoE) + 6 L h per (token, token of its sample) pair of causal
+        attention, ``token_pairs`` = sum over the samples of length**2."""
+        return float(6 * self.num_active_parameters() * tokens + 6 * self.num_layers * self.hidden_size * token_pairs)
+
     def flops_per_token(self, seq_length: int) -> float:
-        """Training FLOPs per token (DESIGN.md): 6 N for the weights a token uses (active
-        parameters of an MoE) + 6 L h s for causal attention over ``seq_length`` tokens."""
-        return 6 * self.num_active_parameters() + 6 * self.num_layers * self.hidden_size * seq_length
+        """Training FLOPs per token of ``seq_length``-token rows: 6 N + 6 L h s."""
+        return self.training_flops(1, seq_length)

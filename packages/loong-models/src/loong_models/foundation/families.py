@@ -7,6 +7,7 @@ Sizes (layers, hidden, heads ...) come from the zoo YAMLs; these are the switche
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,9 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# The names of FAMILIES, the type of FoundationConfig.family (OmegaConf names the allowed ones).
+FamilyName = StrEnum("FamilyName", {name: name for name in FAMILIES}, module=__name__)
+
+
 def get_family(name: str) -> Family:
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise ValueError(
-            f"model.foundation.family={name!r} is unknown; allowed: {', '.join(FAMILIES)}"
-        ) from None
+    return FAMILIES[name]

@@ -9,13 +9,33 @@ where the name differs, the comment names megatron's field. How experts are laid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-# megatron's moe_router_load_balancing_type values; "none" = no balancing loss (with
-# expert_bias=true: DeepSeek-V3's aux-loss-free balancing through the expert bias alone).
-LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-TOKEN_DROP_POLICIES = ("probs", "position")
-ROUTER_DTYPES = ("fp32", "fp64")
+
+class ScoreFunction(StrEnum):
+    softmax = "softmax"  # Qwen3-MoE
+    sigmoid = "sigmoid"  # DeepSeek-V3
+
+
+class LoadBalancing(StrEnum):
+    """megatron's moe_router_load_balancing_type values."""
+
+    aux_loss = "aux_loss"
+    seq_aux_loss = "seq_aux_loss"
+    global_aux_loss = "global_aux_loss"
+    # no balancing loss (with expert_bias=true: DeepSeek-V3's aux-loss-free balancing through the
+    # expert bias alone)
+    none = "none"
+
+
+class TokenDropPolicy(StrEnum):
+    probs = "probs"  # drop the tokens of lowest router probability first
+    position = "position"  # drop the last tokens first
+
+
+class RouterDType(StrEnum):
+    fp32 = "fp32"
+    fp64 = "fp64"
 
 
 @dataclass
@@ -31,7 +51,7 @@ class MoEConfig:
     first_k_dense: int = 0
     # Router: softmax (Qwen3-MoE) or sigmoid (DeepSeek-V3) scores; top-k probabilities renormalised
     # to sum to 1 (softmax over the top-k logits / sigmoid scores divided by their sum), then scaled.
-    score_function: str = "softmax"
+    score_function: ScoreFunction = ScoreFunction.softmax
     topk_scaling_factor: float | None = None  # DeepSeek-V3's routed_scaling_factor (2.5)
     num_groups: int | None = None  # device-limited routing: experts in groups (DeepSeek-V3: 8) ...
     group_topk: int | None = None  # ... tokens go to experts of the best group_topk groups (4)
@@ -39,15 +59,15 @@ class MoEConfig:
     # nudged after every step towards uniform load (megatron: moe_router_enable_expert_bias).
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
-    load_balancing: str = "aux_loss"  # megatron: moe_router_load_balancing_type
+    load_balancing: LoadBalancing = LoadBalancing.aux_loss  # megatron: moe_router_load_balancing_type
     aux_loss_coeff: float = 0.0  # weight of the load-balancing loss (0 = off)
     z_loss_coeff: float | None = None  # router logit z-loss (None = off)
     # Token dropping: each expert takes at most capacity_factor x its fair share of tokens; None =
     # dropless (every routed token is computed).
     capacity_factor: float | None = None
     pad_to_capacity: bool = False  # pad each expert's input to its capacity (static shapes)
-    token_drop_policy: str = "probs"  # which tokens go first: lowest router probability or last position
-    router_dtype: str | None = "fp32"  # router logits / probabilities computed in this dtype
+    token_drop_policy: TokenDropPolicy = TokenDropPolicy.probs  # which tokens are dropped first
+    router_dtype: RouterDType | None = RouterDType.fp32  # router logits / probabilities computed in this dtype
 
     def validate(self, prefix: str, num_layers: int) -> None:
         for key in ("num_experts", "router_topk", "ffn_hidden_size"):
@@ -65,17 +85,6 @@ class MoEConfig:
             raise ValueError(
                 f"{prefix}.first_k_dense={self.first_k_dense} must be in [0, num_layers={num_layers}) "
                 "(at least one MoE layer)"
-            )
-        for key, allowed in (
-            ("score_function", SCORE_FUNCTIONS),
-            ("load_balancing", LOAD_BALANCING),
-            ("token_drop_policy", TOKEN_DROP_POLICIES),
-        ):
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{prefix}.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
-        if self.router_dtype is not None and self.router_dtype not in ROUTER_DTYPES:
-            raise ValueError(
-                f"{prefix}.router_dtype={self.router_dtype!r}; allowed: null, {', '.join(ROUTER_DTYPES)}"
             )
         if (self.num_groups is None) != (self.group_topk is None):
             raise ValueError(

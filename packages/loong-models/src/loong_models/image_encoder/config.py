@@ -4,8 +4,9 @@ it can be, and exact parameter counts computed without building anything."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-RECOMPUTE = (None, "selective", "full")
+from loong_models.choices import Activation, Norm, Recompute
 
 
 @dataclass(frozen=True)
@@ -13,9 +14,9 @@ class EncoderType:
     """What distinguishes one ViT design from another; sizes come from the YAML."""
 
     name: str
-    normalization: str  # megatron's TransformerConfig.normalization: RMSNorm | LayerNorm
+    normalization: Norm
     gated_mlp: bool  # SwiGLU-style gate (gate and up projections fused into linear_fc1)
-    activation: str  # key of ACTIVATIONS (image_encoder/vit.py)
+    activation: Activation
     patch_bias: bool  # bias on the patch embedding
     rope_2d: bool  # 2-D RoPE on (row, column) of each patch (Qwen2-VL / 2.5-VL)
     learned_positions: bool  # a learned position table added after the patch embedding (SigLIP)
@@ -30,29 +31,28 @@ class EncoderType:
 ENCODER_TYPES: dict[str, EncoderType] = {
     t.name: t
     for t in (
-        EncoderType("qwen2.5-vit", normalization="RMSNorm", gated_mlp=True, activation="silu",
+        EncoderType("qwen2.5-vit", normalization=Norm.RMSNorm, gated_mlp=True, activation=Activation.silu,
                     patch_bias=False, rope_2d=True, learned_positions=False, windows=True, post_norm=False,
                     hf_model_type="qwen2_5_vl"),
-        EncoderType("siglip", normalization="LayerNorm", gated_mlp=False, activation="gelu_tanh",
+        EncoderType("siglip", normalization=Norm.LayerNorm, gated_mlp=False, activation=Activation.gelu_tanh,
                     patch_bias=True, rope_2d=False, learned_positions=True, windows=False, post_norm=True,
                     hf_model_type="siglip_vision_model"),
         # Qwen3-VL: LayerNorm, GELU (tanh) MLP, biased patch embedding, learned positions
         # (bilinear-resized) added to the patches *and* 2-D RoPE in attention; DeepStack features
         # from deepstack_visual_indexes (the projector merges them, the foundation adds them)
-        EncoderType("qwen3-vit", normalization="LayerNorm", gated_mlp=False, activation="gelu_tanh",
+        EncoderType("qwen3-vit", normalization=Norm.LayerNorm, gated_mlp=False, activation=Activation.gelu_tanh,
                     patch_bias=True, rope_2d=True, learned_positions=True, windows=False, post_norm=False,
                     hf_model_type="qwen3_vl", position_interpolation="bilinear_corners"),
     )
 }  # fmt: skip
 
 
+# The names of ENCODER_TYPES, the type of the config's ``type`` field (OmegaConf names the allowed ones).
+EncoderTypeName = StrEnum("EncoderTypeName", {name: name for name in ENCODER_TYPES}, module=__name__)
+
+
 def get_encoder_type(name: str) -> EncoderType:
-    try:
-        return ENCODER_TYPES[name]
-    except KeyError:
-        raise ValueError(
-            f"model.image_encoder.type={name!r} is unknown; allowed: {', '.join(ENCODER_TYPES)}"
-        ) from None
+    return ENCODER_TYPES[name]
 
 
 @dataclass
@@ -65,7 +65,7 @@ class ImageEncoderConfig:
     that the projector merges consecutive rows into one LLM token.
     """
 
-    type: str = "qwen2.5-vit"
+    type: EncoderTypeName = EncoderTypeName["qwen2.5-vit"]
     num_layers: int = 2
     hidden_size: int = 64
     ffn_hidden_size: int = 128
@@ -93,7 +93,7 @@ class ImageEncoderConfig:
     # tensor-parallel size must divide the foundation's; null = the foundation's.
     tensor_model_parallel_size: int | None = None
     freeze: bool = False
-    recompute: str | None = None  # None | "selective" | "full"
+    recompute: Recompute | None = None
     extra: dict = field(default_factory=dict)  # passed to the encoder's TransformerConfig
 
     @property
@@ -114,8 +114,6 @@ class ImageEncoderConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"{prefix}.hidden_size={self.hidden_size} is not divisible by "
                              f"{prefix}.num_attention_heads={self.num_attention_heads}")  # fmt: skip
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"{prefix}.recompute={self.recompute!r}; allowed: null, selective, full")
         if t.rope_2d and self.head_dim % 4:
             raise ValueError(f"{prefix}: head dim {self.head_dim} must be a multiple of 4 for 2-D RoPE")
         if t.windows:

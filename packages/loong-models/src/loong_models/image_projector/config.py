@@ -4,9 +4,13 @@ foundation's hidden size, merging ``spatial_merge_size**2`` neighbouring patches
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-NORMS = (None, "RMSNorm", "LayerNorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+from loong_models.choices import Activation, Norm, Recompute
+
+
+class ProjectorType(StrEnum):
+    mlp = "mlp"  # norm -> merge -> fc1 -> activation -> fc2 (Qwen2.5-VL's patch merger)
 
 
 @dataclass
@@ -19,27 +23,17 @@ class ImageProjectorConfig:
     the encoder's ``spatial_merge_size`` (one source of truth for the token count per image).
     """
 
-    type: str = "mlp"
-    norm: str | None = "RMSNorm"
+    type: ProjectorType = ProjectorType.mlp
+    norm: Norm | None = Norm.RMSNorm
     norm_epsilon: float = 1e-6
     ffn_hidden_size: int | None = None  # null = encoder hidden * merge**2 (Qwen2.5-VL)
-    activation: str = "gelu"
+    activation: Activation = Activation.gelu
     bias: bool = True
     init_method_std: float = 0.02
     # Runs on the encoder's tensor-parallel group: null or the encoder's size.
     tensor_model_parallel_size: int | None = None
     freeze: bool = False
-    recompute: str | None = None  # accepted for symmetry; the projector is two linears, nothing to recompute
-
-    def validate(self, prefix: str = "model.image_projector") -> None:
-        if self.type != "mlp":
-            raise ValueError(f"{prefix}.type={self.type!r}; allowed: mlp")
-        if self.norm not in NORMS:
-            raise ValueError(f"{prefix}.norm={self.norm!r}; allowed: null, RMSNorm, LayerNorm")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"{prefix}.activation={self.activation!r}; allowed: {', '.join(ACTIVATIONS)}")
-        if self.recompute not in (None, "selective", "full"):
-            raise ValueError(f"{prefix}.recompute={self.recompute!r}; allowed: null, selective, full")
+    recompute: Recompute | None = None  # accepted for symmetry; the projector is two linears, nothing to recompute
 
     def input_size(self, encoder_hidden: int, merge: int) -> int:
         return encoder_hidden * merge * merge

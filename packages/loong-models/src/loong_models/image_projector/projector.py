@@ -26,7 +26,6 @@ def build_projector_transformer_config(
 ) -> TransformerConfig:
     """megatron's MLP reads its sizes from a TransformerConfig: hidden = the foundation's (output),
     ffn = the projector's."""
-    cfg.validate()
     fields = dict(
         num_layers=1,
         hidden_size=out_size,

@@ -1,0 +1,28 @@
+"""Choices shared by several components' configs. As dataclass field types they are validated by
+OmegaConf, whose error names the key and the allowed values; YAML spells them as their names."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Recompute(StrEnum):
+    """Activation recomputation of a component (megatron's recompute_granularity); null = off."""
+
+    selective = "selective"  # the submodules named by recompute_modules (megatron default: core_attn)
+    full = "full"  # whole layers
+
+
+class Norm(StrEnum):
+    """megatron's TransformerConfig.normalization."""
+
+    RMSNorm = "RMSNorm"
+    LayerNorm = "LayerNorm"
+
+
+class Activation(StrEnum):
+    """MLP activations of the vision components (functions in image_encoder/vit.py)."""
+
+    gelu = "gelu"
+    gelu_tanh = "gelu_tanh"
+    silu = "silu"
