@@ -148,20 +148,20 @@ def test_settings_loong_cannot_represent_are_refused_naming_the_key(v32, changes
     assert "config.json" in str(e.value)
 
 
-@pytest.mark.slow  # an extra layout (two torchrun launches, minutes on 2 shared cores); TP=1 runs by default
 @pytest.mark.dist
 def test_logits_match_hf_at_tp2_and_ep2(v32, tmp_path):
-    """torchrun, 2 processes, gloo: at TP=2 (attention heads split, the indexer replicated; an
-    all-dense DeepSeek-V3.2) and at EP=2 (the MoE model), from the checkpoint and the HF directory."""
+    """One torchrun launch, 2 processes, gloo: at TP=2 (attention heads split, the indexer
+    replicated, sequence parallel as megatron's absorbed MLA requires; an all-dense DeepSeek-V3.2)
+    and at EP=2 (the MoE model), from the checkpoint and the HF directory loaded online."""
     from loong_ckpt import hf_to_mcore
-    from loong_ckpt.testing import run_workers
+    from loong_ckpt.testing import run_layouts
 
     dense = make_hf_model(tmp_path / "dense-hf", "deepseek-v32", first_k_dense_replace=2)
     hf_to_mcore(dense, tmp_path / "dense-ckpt", progress=False)
-    dense_ref = hf_logits(dense, torch.load(v32["tokens"]))
-    for tp, ep, (hf, ckpt, ref) in ((2, 1, (dense, tmp_path / "dense-ckpt", dense_ref)),
-                                    (1, 2, (v32["hf"], v32["ckpt"], v32["ref"]))):  # fmt: skip
-        jobs = [(src, v32["tokens"], tmp_path / f"tp{tp}-ep{ep}-{i}.pt") for i, src in enumerate((ckpt, hf))]
-        for src, logits in zip((ckpt, hf), run_workers(jobs, tp=tp, pp=1, ep=ep)):
-            diff = (logits - ref).abs().max().item()
-            assert diff <= TOL, f"{src} at tp={tp} ep={ep}: max abs diff {diff}"
+    refs = {2: hf_logits(dense, torch.load(v32["tokens"])), 1: v32["ref"]}  # by TP size
+    sources = {2: (tmp_path / "dense-ckpt", dense), 1: (v32["ckpt"], v32["hf"])}
+    jobs = [dict(source=str(src), tokens=str(v32["tokens"]), out=str(tmp_path / f"tp{tp}-{i}.pt"), tp=tp, pp=1, ep=2 // tp)
+            for tp in (2, 1) for i, src in enumerate(sources[tp])]  # fmt: skip
+    for job, logits in zip(jobs, run_layouts(jobs)):
+        diff = (logits - refs[job["tp"]]).abs().max().item()
+        assert diff <= TOL, f"{job['source']} at tp={job['tp']} ep={job['ep']}: max abs diff {diff}"
