@@ -96,9 +96,13 @@ def test_expert_parallel_matches_single_process(tmp_path, data_cache, model, lay
     assert sorted(got) == sorted(ref) and len(ref) == STEPS
     for step, loss in ref.items():
         assert abs(got[step] - loss) <= TOL, f"step {step}: {got[step]} vs single-process {loss}"
-    # the router statistics are global: the same tokens reach the same experts in both layouts
+    # the router statistics are global: the same tokens reach the same experts in both layouts. With
+    # the dense part at TP=2 the router's logits differ in the last bits (a split reduction), so a
+    # near-tie between two experts may flip for a token: counts agree within 2 tokens per expert.
+    slack = 0 if "parallel.tp=2" not in layout else 2
     for a, b in zip(single.records("train"), dist.records("train"), strict=True):
-        assert a["moe_tokens_per_expert"] == b["moe_tokens_per_expert"]
+        want, got = a["moe_tokens_per_expert"], b["moe_tokens_per_expert"]
+        assert sum(want) == sum(got) and max(abs(x - y) for x, y in zip(want, got, strict=True)) <= slack, (want, got)
 
 
 def compose_config(*overrides: str):
