@@ -123,7 +123,7 @@ def compose_config(*overrides: str):
          r"model.foundation.moe.capacity_factor=-1.0 must be > 0 or null"),
         (["model=deepseek-v3-tiny", "parallel.moe_a2a_overlap=true"], 1, r"parallel.moe_a2a_overlap=true needs parallel.ep >= 2"),
         (["model=qwen3-moe-tiny", "+model.foundation.recompute_modules=[moe]"], 1,
-         r"model.foundation.recompute_modules=\['moe'\] needs model.foundation.recompute=selective"),
+         r"model.foundation.recompute_modules=\[moe\] needs model.foundation.recompute=selective"),
         (["model=qwen3-moe-tiny", "+model.foundation.recompute=selective", "+model.foundation.recompute_modules=[moe]",
           "parallel.offload_activations=[expert_fc1]"], 1, r"parallel.offload_activations \['expert_fc1'\] lie inside"),
     ],
