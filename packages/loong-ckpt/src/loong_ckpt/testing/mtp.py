@@ -40,7 +40,9 @@ def reference_mtp_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg, n = model.config, model.config.num_hidden_layers
     # HF's loader reads the MTP layer's decoder tensors as one more decoder layer
-    longer = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **_one_layer_more(path))
+    longer = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, **_one_layer_more(path)
+    )
     layer = longer.eval().model.layers[n]
     w = {k.removeprefix(f"model.layers.{n}."): v for k, v in hf_tensors(path).items()
          if k.startswith(f"model.layers.{n}.")}  # fmt: skip
@@ -58,12 +60,16 @@ def reference_mtp_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(s).unsqueeze(0)
         # an explicit causal mask (True = attend), as HF's SDPA path builds it: V3.2's indexer needs one
         mask = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s)
-        x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos))
+        x = layer(
+            x, attention_mask=mask, position_ids=pos, position_embeddings=model.model.rotary_emb(x, pos)
+        )
         x = x[0] if isinstance(x, tuple) else x
         return model.lm_head(norms["shared_head.norm"](x))
 
 
-def loong_logits_with_mtp(source: Path, tokens_file: Path, padded_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def loong_logits_with_mtp(
+    source: Path, tokens_file: Path, padded_vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Loong's main logits and its MTP layer's logits (the output layer's first call in eval:
     megatron computes the MTP logits before the main ones), both cut to the main logits' vocab."""
     calls = []
