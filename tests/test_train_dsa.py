@@ -32,7 +32,7 @@ def test_tiny_dsa_model_trains_with_an_mtp_layer_and_its_loss_falls(run_dsa):
     from loong_ckpt.mcore_io import read_metadata
 
     run = run_dsa(
-        ["train.steps=10", "optim.lr=1e-2", "train.eval_interval=0", "model.foundation.mtp_num_layers=1"]
+        ["train.steps=8", "optim.lr=1e-2", "train.eval_interval=0", "model.foundation.mtp_num_layers=1"]
     )
     records = run.check().records("train")
     mtp = [r["mtp_loss"] for r in records]
