@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.metadata
+import re
+import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,3 +68,69 @@ def test_package_sources_find_their_files_without_the_repository_layout():
     offenders = [f"{p.relative_to(ROOT)}:{i}" for p in _sources("packages", "apps") if "src" in p.parts
                  for i, line in enumerate(p.read_text().splitlines(), 1) if "__file__).parents[" in line.replace(".resolve()", "")]  # fmt: skip
     assert not offenders, f"repository-relative lookups (use the owning package's path): {offenders}"
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    return {re.split(r"[<>=\[ ;]", r)[0].replace("_", "-").lower() for r in reqs}
+
+
+# Import names whose distribution is named otherwise and may not be installed here (an optional extra).
+_DIST_OF_IMPORT = {"sklearn": "scikit-learn", "skimage": "scikit-image", "PIL": "pillow", "yaml": "pyyaml"}
+
+
+@functools.cache
+def _installed() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
+def _distributions(module: str) -> set[str]:
+    top = module.split(".")[0]
+    found = _installed().get(top) or [_DIST_OF_IMPORT.get(top, top)]
+    return {d.replace("_", "-").lower() for d in found}
+
+
+def test_each_pyproject_declares_what_its_package_imports():
+    """An installed wheel gets only its declared dependencies (an extra counts: e.g. a ``testing`` module's)."""
+    missing = []
+    for pyproject in sorted([*(ROOT / "packages").glob("*/pyproject.toml"), ROOT / "apps/train/pyproject.toml"]):
+        project = tomllib.loads(pyproject.read_text())["project"]
+        extras = [r for reqs in project.get("optional-dependencies", {}).values() for r in reqs]
+        declared = _requirement_names(project["dependencies"] + extras)
+        src = pyproject.parent / "src"
+        own = {p.name for p in src.iterdir()}
+        for path in sorted(src.rglob("*.py")):
+            for module in imported_modules(path):
+                top = module.split(".")[0]
+                if top in own or top in sys.stdlib_module_names or top == "__future__":
+                    continue
+                if not _distributions(module) & declared:
+                    missing.append(f"{path.relative_to(ROOT)}: {module}")
+    assert not missing, f"imports their package's pyproject.toml does not declare: {missing}"
+
+
+def _runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The package modules ``path`` imports, at the top or inside functions, but not for type checking."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}  # fmt: skip
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in names if n in modules}
+
+
+def test_no_two_modules_import_each_other():
+    """Loops hidden by imports inside functions included (a package's ``__init__`` re-exports aside)."""
+    files = {}
+    for src in [*(ROOT / "packages").glob("*/src"), ROOT / "apps/train/src"]:
+        for path in src.rglob("*.py"):
+            parts = path.relative_to(src).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    imports = {m: {i for i in _runtime_imports(p, set(files)) if files[i].name != "__init__.py"} for m, p in files.items()}
+    loops = sorted({tuple(sorted((a, b))) for a, deps in imports.items() for b in deps if a in imports.get(b, ())})
+    assert not loops, f"modules that import each other: {loops}"

@@ -15,7 +15,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ConvertResult": "convert", "hf_to_mcore": "convert", "mcore_to_hf": "convert",
+    "ConvertResult": "output", "hf_to_mcore": "convert", "mcore_to_hf": "convert",
     "MAPPINGS": "families", "get_mapping": "families", "supported_architectures": "families",
     "ConversionError": "hf_config", "from_hf_config": "hf_config", "to_hf_config": "hf_config",
     "is_hf_dir": "hf_io",

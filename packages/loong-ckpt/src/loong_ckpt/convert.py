@@ -6,13 +6,10 @@ Both directions work tensor by tensor (one layer's tensors at most in memory) an
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import shutil
 import time
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,63 +43,9 @@ from loong_ckpt.integrity import check_files, hash_files, listed_files
 from loong_ckpt.log import logger
 from loong_ckpt.mapping import Rule, Unit, layer_key, locate, units
 from loong_ckpt.mcore_io import Chunk, model_template, read_metadata, read_regions, write_checkpoint
+from loong_ckpt.output import ConvertResult, atomic_output_dir, check_output_dir, parse_dtype, peak_rss_mib
 from loong_ckpt.training import FORMAT_VERSION, META_FILE, PARTIAL_SUFFIX, _write_atomic
 from loong_models import FoundationConfig
-from loong_xpu.backends.cpu import peak_rss_bytes
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class ConvertResult:
-    path: Path
-    seconds: float
-    peak_rss_mib: float
-    tensors: int
-    command: str | None = None  # for hf-to-mcore: the train command that starts from it
-    model_name: str | None = None
-
-
-def peak_rss_mib() -> float:
-    """This process's own peak resident memory (MiB), not its parent's (see
-    :func:`loong_xpu.backends.cpu.peak_rss_bytes`)."""
-    return peak_rss_bytes() / 2**20
-
-
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    if name in (None, "auto"):
-        return None
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ConversionError(f"dtype {name!r}; allowed: auto, {', '.join(_DTYPES)}") from None
-
-
-def check_output_dir(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ConversionError(f"output directory {out} exists and is not empty; pass --force to replace it")
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
-    """Yield ``<out>.partial``; on success it replaces ``out``; on failure it is removed."""
-    check_output_dir(out, force)
-    partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        yield partial
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        partial.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        partial.rename(out)
 
 
 def check_layout(cfg: Any, tp: int, pp: int, ep: int = 1) -> None:

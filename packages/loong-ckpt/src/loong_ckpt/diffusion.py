@@ -196,14 +196,14 @@ def diffusers_to_mcore(src: str | Path, out: str | Path, *, dtype: str | None = 
                        progress: bool = True):  # fmt: skip
     """A diffusers ``transformer/`` directory -> a Loong checkpoint directory (global tensors,
     loadable at any TP size) with ``loong.json`` recording the model."""
-    from loong_ckpt.convert import (
+    from loong_ckpt.mcore_io import Chunk, write_checkpoint
+    from loong_ckpt.output import (
         ConvertResult,
         atomic_output_dir,
         check_output_dir,
         parse_dtype,
         peak_rss_mib,
     )
-    from loong_ckpt.mcore_io import Chunk, write_checkpoint
     from loong_ckpt.training import FORMAT_VERSION, META_FILE, _write_atomic
 
     t0 = time.perf_counter()
@@ -246,8 +246,8 @@ def diffusers_to_mcore(src: str | Path, out: str | Path, *, dtype: str | None = 
 def mcore_to_diffusers(src: str | Path, out: str | Path, meta: dict[str, Any], *, dtype: str | None = None,
                        force: bool = False, max_shard_bytes: int = 2 * 2**30):  # fmt: skip
     """A Loong checkpoint of a Wan model (any TP layout) -> a diffusers ``transformer/`` directory."""
-    from loong_ckpt.convert import ConvertResult, atomic_output_dir, parse_dtype, peak_rss_mib
     from loong_ckpt.mcore_io import read_metadata, read_regions
+    from loong_ckpt.output import ConvertResult, atomic_output_dir, parse_dtype, peak_rss_mib
 
     t0 = time.perf_counter()
     src, out = Path(src), Path(out).absolute()

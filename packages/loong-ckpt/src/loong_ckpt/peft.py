@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from loong_ckpt.components import bind_components, foundation_of, is_composed
-from loong_ckpt.convert import _checkpoint_model, atomic_output_dir, check_output_dir
+from loong_ckpt.convert import _checkpoint_model
 from loong_ckpt.hf_config import ConversionError
 from loong_ckpt.mapping import locate, units
 from loong_ckpt.mcore_io import read_metadata, read_regions
+from loong_ckpt.output import atomic_output_dir, check_output_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

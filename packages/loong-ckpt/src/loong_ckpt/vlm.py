@@ -22,7 +22,7 @@ from loong_ckpt.composed import ComponentMapping, ModelMapping
 from loong_ckpt.families import get_mapping
 from loong_ckpt.hf_config import ConversionError, from_hf_config, same_architecture, same_value, to_hf_config
 from loong_ckpt.mapping import GATE_UP, QKV, Rule, SliceReader, Split, Transform
-from loong_models.omni.mrope import VisionTokenIds
+from loong_xpu.tokens import VisionTokenIds
 
 # --- the vision tower's transforms ------------------------------------------------------------
 

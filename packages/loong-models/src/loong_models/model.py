@@ -155,10 +155,12 @@ class ModelConfig:
             )
         return n
 
-    def check_tokenizer(self, vocab_size: int, vision: Any = None, *, source: str = "the tokenizer") -> None:
+    def check_tokenizer(
+        self, vocab_size: int, vision: VisionTokenIds | None = None, *, source: str = "the tokenizer"
+    ) -> None:
         """Raise ValueError naming the key when a tokenizer's ids do not fit this model: its
-        vocabulary, and (``vision``: the tokenizer's ids under :class:`VisionTokenIds`' names, e.g.
-        loong-data's ChatTokenizer.vision) a VLM's vision token ids."""
+        vocabulary, and (``vision``: the tokenizer's, e.g. loong-data's ChatTokenizer.vision) a
+        VLM's vision token ids."""
         if self.image_encoder is not None and vision is not None:
             for key in VISION_TOKEN_KEYS:
                 mine, theirs = getattr(self, key), getattr(vision, key)

@@ -1,14 +1,17 @@
 """The one place that decides which implementation each layer uses.
 
-CUDA with Transformer Engine installed: megatron-core's TE layer spec (fused norms + linears,
-TE/cuDNN attention). Everywhere else: megatron-core's local modules with :class:`SDPAttention`
-as core attention (no materialised attention matrix) and loong-kernels' RMSNorm.
+A resolved backend (:func:`resolve_backend`) is one megatron spec provider
+(:func:`spec_provider`): megatron's ``TESpecProvider`` (CUDA with Transformer Engine installed:
+fused norms + linears, TE/cuDNN attention), or :class:`LocalSpecProvider` everywhere else
+(megatron's local modules with :class:`SDPAttention` as core attention, no materialised attention
+matrix, and loong-kernels' RMSNorm). Every spec is built from the provider's answers: the GPT
+decoder's layers (:func:`layer_spec`, laid out as megatron-core's GPT layer specs, whose builders
+take no provider), the MTP block, the ViT, the projector and the DiT.
 
-Mixture-of-Experts layers (``num_moe_experts`` set) keep megatron's MoE spec of the backend:
+Mixture-of-Experts layers (``num_moe_experts`` set) take megatron's MoE spec of the provider:
 TE's grouped-GEMM experts (``TEGroupedMLP``, ``moe_grouped_gemm`` from :func:`fusion_fields`)
 with TE, megatron's ``SequentialMLP`` locally; router, shared experts and token dispatcher are
-megatron's. MLA without sparse attention (DeepSeek-V3) is megatron's ``MLASelfAttention``; on
-the local backend with :class:`SDPAttention` and Loong's RMSNorm for its latent norms.
+megatron's. MLA without sparse attention (DeepSeek-V3) is megatron's ``MLASelfAttention``.
 
 DeepSeek sparse attention (MLA config with ``dsa_indexer_topk`` set), on either backend:
 megatron's ``AbsorbedMLASelfAttention`` (the backend's linears) with Loong's
@@ -20,15 +23,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from enum import StrEnum
 
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.models.backends import LocalSpecProvider as MegatronLocalSpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from loong_models.attention import DSAttention, DSAttentionSubmodules, LightningIndexer, SDPAttention
 from loong_models.log import logger
@@ -94,10 +102,8 @@ def spec_provider(backend: str) -> BackendSpecProvider:
 def decoder_block_spec(
     config: TransformerConfig, *, backend: str, vp_stage: int | None = None, deepstack: bool = False
 ):
-    """Layer specs for the decoder layers of this pipeline stage, plus the final norm.
-
-    ``te``: megatron-core's TE spec as is. ``local``: megatron-core's local modules with
-    :class:`SDPAttention` as core attention and Loong's :class:`RMSNorm` for every norm.
+    """Layer specs for the decoder layers of this pipeline stage, plus the final norm, all from
+    the backend's spec provider (``local``: :class:`SDPAttention` and Loong's :class:`RMSNorm`).
     ``deepstack``: the layers are :class:`~loong_models.foundation.deepstack.DeepStackLayer`
     (the same modules; they add DeepStack vision features to their output).
     """
@@ -111,66 +117,175 @@ def decoder_block_spec(
 
 
 def _decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: int | None = None):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=backend == "te", normalization="RMSNorm", vp_stage=vp_stage
-    )
     provider = spec_provider(backend)
-    if uses_sparse_attention(config):
-        logger.debug(
-            "layer spec: absorbed MLA + DeepSeek sparse attention (loong-kernels), %s linears", backend
-        )
-        layers = [_dsa_layer(s, provider) for s in block.layer_specs]
-        return dataclasses.replace(
-            block, layer_specs=layers, layer_norm=RMSNorm if backend == "local" else block.layer_norm
-        )
-    if backend == "te":
-        logger.debug("layer spec: transformer-engine")
-        return block
-    logger.debug("layer spec: local megatron modules + SDPA + loong-kernels RMSNorm")
-    return dataclasses.replace(
-        block, layer_specs=[_local_layer(s, provider) for s in block.layer_specs], layer_norm=RMSNorm
+    pattern = _moe_layer_pattern(config)
+    kinds = {moe: _decoder_layer(config, provider, moe=bool(moe)) for moe in set(pattern)}
+    layers = [kinds[moe] for moe in pattern]
+    logger.debug(
+        "layer spec: %s%s", backend, " + DeepSeek sparse attention" if uses_sparse_attention(config) else ""
     )
+    return TransformerBlockSubmodules(
+        layer_specs=[layers[i] for i in _stage_layer_ids(config, vp_stage)],
+        layer_norm=provider.layer_norm(rms_norm=True),
+    )
+
+
+def _decoder_layer(config: TransformerConfig, provider: BackendSpecProvider, *, moe: bool) -> ModuleSpec:
+    shape = LayerShape(
+        qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
+        num_experts=config.num_moe_experts if moe else None,
+        moe_grouped_gemm=moe and config.moe_grouped_gemm,
+        te_activation_func=config.use_te_activation_func,
+    )
+    spec = layer_spec(provider, shape)
+    return _dsa_layer(spec, provider) if uses_sparse_attention(config) else spec
+
+
+def _moe_layer_pattern(config: TransformerConfig) -> list[int]:
+    """megatron's ``moe_layer_freq``: 1 = MoE layer, 0 = dense (an int N: every N-th layer)."""
+    n, freq = config.num_layers, config.moe_layer_freq
+    if config.num_moe_experts is None:
+        return [0] * n
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(n)]
+    if len(freq) != n:
+        raise ValueError(f"moe_layer_freq has {len(freq)} entries for {n} layers")
+    return list(freq)
+
+
+def _stage_layer_ids(config: TransformerConfig, vp_stage: int | None) -> Sequence[int]:
+    """The decoder layers this pipeline stage builds (megatron's layout or even split)."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if config.pipeline_model_parallel_layout is not None:
+        return config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage
+        )
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    return range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
 
 
 def mtp_block_spec(config: TransformerConfig, block, *, backend: str, vp_stage: int | None = None):
     """megatron's multi-token-prediction block (``config.mtp_num_layers``; None without MTP or on
-    a stage that does not hold it): each MTP layer wraps a copy of the decoder's last layer spec;
-    on the local backend its norms (enorm, hnorm, final) are Loong's RMSNorm like the decoder's."""
+    a stage that does not hold it): each MTP layer wraps a copy of the decoder's last layer spec,
+    its projection and norms (enorm, hnorm, final) the provider's, RMSNorm like the decoder's."""
     if not config.mtp_num_layers:
         return None
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
 
-    spec = get_gpt_mtp_block_spec(config, block, use_transformer_engine=backend == "te", vp_stage=vp_stage)
-    if spec is None or backend == "te":
-        return spec
-    norms = dict(enorm=RMSNorm, hnorm=RMSNorm, layer_norm=RMSNorm)
-    layers = [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, **norms)) for s in spec.layer_specs]
+    provider = spec_provider(backend)
+    spec = get_gpt_mtp_block_spec_for_backend(config, block, backend=provider, vp_stage=vp_stage)
+    if spec is None:
+        return None
+    norm = provider.layer_norm(rms_norm=True)
+    norms = dict(enorm=norm, hnorm=norm, layer_norm=norm)
+    layers = [
+        dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, **norms))
+        for s in spec.layer_specs
+    ]
     return dataclasses.replace(spec, layer_specs=layers)
 
 
-# Per-head q/k norms (GQA: q_layernorm, k_layernorm) and latent norms (MLA: q_layernorm, kv_layernorm)
-_ATTENTION_NORMS = ("q_layernorm", "k_layernorm", "kv_layernorm")
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """What a transformer layer's spec depends on besides the backend."""
+
+    rms_norm: bool = True  # False: LayerNorm
+    qk_layernorm: bool = False  # per-head q/k norms (GQA) or latent norms (MLA)
+    multi_latent_attention: bool = False
+    num_experts: int | None = None  # an MoE layer's routed experts; None: a dense MLP
+    moe_grouped_gemm: bool = False
+    te_activation_func: bool = False
 
 
-def _local_layer(spec: ModuleSpec, provider: BackendSpecProvider, rms_norm: bool = True) -> ModuleSpec:
-    """megatron's local layer spec with the local provider's core attention and norms (GQA or
-    MLA attention); the MLP (dense, or MoE: megatron's router, SequentialMLP experts and shared
-    experts) stays megatron's local spec."""
-    norm = provider.layer_norm(rms_norm=rms_norm)
-    sub = spec.submodules
-    attn = sub.self_attention
-    attn_sub = attn.submodules
-    norms = {k: norm for k in _ATTENTION_NORMS if getattr(attn_sub, k, IdentityOp) is not IdentityOp}
-    attn_sub = dataclasses.replace(attn_sub, core_attention=provider.core_attention(), **norms)
-    sub = dataclasses.replace(
-        sub,
-        self_attention=dataclasses.replace(attn, submodules=attn_sub),
-        input_layernorm=norm,
-        pre_mlp_layernorm=norm,
+# The keys a layer's norms and MLP checkpoint under, as megatron's GPT specs name them, so that
+# checkpoints of either backend load into the other: TE's op-fuser MLP names its parts by index;
+# the separate norms of an unfused backend take the names of TE's fused layer-norm linears.
+_FUSED_KEYS = {
+    "mlp.0.weight": "mlp.linear_fc1.layer_norm_weight",
+    "mlp.0.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.1.basic_ops.0.weight": "mlp.linear_fc1.weight",
+    "mlp.1.basic_ops.1.bias": "mlp.linear_fc1.bias",
+    "mlp.3.basic_ops.0.weight": "mlp.linear_fc2.weight",
+    "mlp.3.basic_ops.1.bias": "mlp.linear_fc2.bias",
+}
+_UNFUSED_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def layer_spec(provider: BackendSpecProvider, shape: LayerShape) -> ModuleSpec:
+    """A megatron TransformerLayer (GQA or MLA attention, dense or MoE MLP) with every module from
+    ``provider``, laid out as megatron-core's GPT layer specs: a backend that fuses a norm into the
+    next linear (TE) has no separate input norm before GQA's qkv nor pre-MLP norm before a dense MLP."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+
+    fused = provider.fuse_layernorm_and_linear()
+    norm = provider.layer_norm(rms_norm=shape.rms_norm, has_residual=True)
+    mla = shape.multi_latent_attention
+    mlp = get_mlp_module_spec_for_backend(
+        provider, num_experts=shape.num_experts, moe_grouped_gemm=shape.moe_grouped_gemm,
+        use_te_activation_func=shape.te_activation_func,
+    )  # fmt: skip
+    sub = TransformerLayerSubmodules(
+        input_layernorm=IdentityOp if fused and not mla else norm,
+        self_attention=(_mla_attention if mla else _gqa_attention)(provider, shape),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=IdentityOp if fused and shape.num_experts is None else norm,
+        mlp=mlp,
+        mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map={} if mla else dict(_FUSED_KEYS if fused else _UNFUSED_KEYS),
     )
-    return dataclasses.replace(spec, submodules=sub)
+    return ModuleSpec(module=TransformerLayer, submodules=sub)
+
+
+def _gqa_attention(provider: BackendSpecProvider, shape: LayerShape) -> ModuleSpec:
+    qk_norm = provider.layer_norm(rms_norm=shape.rms_norm, for_qk=True) if shape.qk_layernorm else IdentityOp
+    fused = provider.fuse_layernorm_and_linear()
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=provider.column_parallel_layer_norm_linear()
+            if fused
+            else provider.column_parallel_linear(),
+            core_attention=provider.core_attention(),
+            linear_proj=provider.row_parallel_linear(),
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
+        ),
+    )
+
+
+def _mla_attention(provider: BackendSpecProvider, shape: LayerShape) -> ModuleSpec:
+    """megatron's MLASelfAttention; a fusing backend folds the latent norms into the up projections."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+
+    fused = provider.fuse_layernorm_and_linear()
+    column = provider.column_parallel_linear()
+    up = provider.column_parallel_layer_norm_linear() if fused and shape.qk_layernorm else column
+    latent_norm = (
+        provider.layer_norm(rms_norm=shape.rms_norm, for_qk=True) if shape.qk_layernorm else IdentityOp
+    )
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=column,
+            linear_q_down_proj=provider.linear(),
+            linear_q_up_proj=up,
+            linear_kv_down_proj=provider.linear(),
+            linear_kv_up_proj=up,
+            core_attention=provider.core_attention(),
+            linear_proj=provider.row_parallel_linear(),
+            q_layernorm=IdentityOp if fused else latent_norm,
+            kv_layernorm=IdentityOp if fused else latent_norm,
+        ),
+    )
 
 
 def uses_sparse_attention(config: TransformerConfig) -> bool:
@@ -246,21 +361,12 @@ def vision_block_spec(
     :class:`WindowAttentionLayer`: the same modules, attending within the windows of the packed
     parameters instead of whole images (Qwen2.5-VL).
     """
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
     from loong_models.image_encoder.layers import WindowAttentionLayer
 
     rms = config.normalization == "RMSNorm"
     provider = spec_provider(backend)
     final_norm = provider.layer_norm(rms_norm=rms)  # TENorm takes the norm type from config.normalization
-    if backend == "te":
-        base = get_gpt_layer_with_transformer_engine_spec()
-    else:
-        base = _local_layer(get_gpt_layer_local_spec(normalization=config.normalization), provider, rms)
+    base = layer_spec(provider, LayerShape(rms_norm=rms))
     attn = base.submodules.self_attention
     attn = dataclasses.replace(attn, params={**attn.params, "attn_mask_type": AttnMaskType.no_mask})
     base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=attn))

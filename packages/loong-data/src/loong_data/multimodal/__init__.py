@@ -16,7 +16,6 @@ from loong_data.multimodal.chat import (
     VISION_START,
     ChatTokenizer,
     ConversationError,
-    VisionTokenIds,
     load_chat_tokenizer,
 )
 from loong_data.multimodal.convert import (
@@ -59,7 +58,6 @@ __all__ = [
     "MultimodalSample",
     "PackedMultimodalDataset",
     "VisionProcessorConfig",
-    "VisionTokenIds",
     "bundled_multimodal_shards",
     "collate_multimodal",
     "convert_to_webdataset",

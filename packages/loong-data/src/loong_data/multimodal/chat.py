@@ -6,13 +6,13 @@ token becomes ``t*h*w / merge_size**2`` of them, the number of merged patches of
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from loong_data.errors import DataError
 from loong_data.tokenizer import EOD_TOKEN, PAD_TOKEN
+from loong_xpu.tokens import VisionTokenIds
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -22,18 +22,6 @@ ROLES = ("system", "user", "assistant")
 
 class ConversationError(DataError):
     """A conversation that cannot be encoded (wrong structure, placeholder count mismatch)."""
-
-
-@dataclass(frozen=True)
-class VisionTokenIds:
-    """Ids of the vision special tokens, which the model needs (placeholders, mrope positions).
-    Fields as ``loong_models.VisionTokenIds`` (the model's keys), which this package cannot import
-    (loong-data depends on no model package); the train app checks one against the other."""
-
-    image_token_id: int  # <|image_pad|>
-    video_token_id: int  # <|video_pad|>
-    vision_start_token_id: int  # <|vision_start|>
-    vision_end_token_id: int  # <|vision_end|>
 
 
 class ChatTokenizer:

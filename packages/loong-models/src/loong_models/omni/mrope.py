@@ -8,21 +8,10 @@ vision item continues at ``start + max(rows, columns)`` (as HF transformers'
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class VisionTokenIds:
-    """Ids of a VLM's vision special tokens (Qwen2.5-VL's layout: ``<|vision_start|>``, one
-    ``<|image_pad|>`` / ``<|video_pad|>`` per merged patch, ``<|vision_end|>``). The fields are
-    named as the ``model.*`` keys and HF's config.json keys that hold them."""
-
-    image_token_id: int
-    video_token_id: int | None = None
-    vision_start_token_id: int | None = None
-    vision_end_token_id: int | None = None
+from loong_xpu.tokens import VisionTokenIds
 
 
 def _vision_item(start: int, grid: tuple[int, int, int], merge: int, time_step: float) -> torch.Tensor:
