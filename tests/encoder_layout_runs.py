@@ -3,8 +3,9 @@ parallel.encoder_layout=shared and another layout (sequence parallelism off and 
 seed on the same micro-batches (real bundled samples: 0, 1 and 5 images of different sizes, a
 video): hetero_dp at TP 2 x DP 2 (10 steps), decoupled at TP 2 x PP 2; then each with a frozen
 encoder. Every rank compares the losses and every parameter's gradient of the two layouts (a later
-stage's copy of the encoder against the first stage's), counts the images its encoder encoded and
-whether any encoder backward ran; rank 0 writes the results to argv[1] as JSON.
+stage's copy of the encoder against the first stage's), the grad norms and a final evaluation's
+loss, counts the images its encoder encoded and whether any encoder backward ran; rank 0 writes
+the results to argv[1] as JSON.
 
     torchrun --standalone --nproc-per-node 4 tests/encoder_layout_runs.py OUT.json [LAYOUT ...]
 """
@@ -26,6 +27,7 @@ from loong_parallel import (
     ParallelConfig,
     build_model_chunks,
     build_optimizer,
+    eval_step,
     init_distributed,
     initialize_model_parallel,
     runtime_transformer_fields,
@@ -107,17 +109,21 @@ def run(accel, batches: list[dict], *, layout: str, sp: bool, freeze: bool = Fal
                                            chunks, dtype=torch.float32, total_steps=STEPS)  # fmt: skip
     encoder = unwrap(chunks[0]).image_encoder  # None on later stages of the shared layout
     probe = EncoderProbe(encoder) if encoder is not None else EncoderProbe(torch.nn.Identity())
-    losses, grads, images = [], [], []
+    losses, norms, grads, images = [], [], [], []
     for _ in range(steps):
         before = probe.images
         result = train_step(partial(lm_forward_step, accel.device()), iter(batches), chunks, optimizer, scheduler,
                             num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=1, device=accel.device())  # fmt: skip
         losses.append(result.loss)
+        norms.append(result.grad_norm)
         grads.append({n: p.main_grad.clone() for n, p in unwrap(chunks[0]).named_parameters() if p.requires_grad})
         images.append(probe.images - before)
     first_stage_vision = first_stage_vision_grads(grads)
+    # the forward-only path (evaluation): the layout encodes without building the backward
+    losses.append(eval_step(partial(lm_forward_step, accel.device()), iter(batches), chunks,
+                            num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=1, device=accel.device())[0])  # fmt: skip
     mpu.destroy_model_parallel()
-    return {"losses": losses, "grads": grads, "images": images, "backwards": probe.backwards,
+    return {"losses": losses, "norms": norms, "grads": grads, "images": images, "backwards": probe.backwards,
             "first_stage_vision": first_stage_vision}  # fmt: skip
 
 
@@ -140,6 +146,7 @@ def compare(a: dict, b: dict) -> dict:
         ga = {**ga, **{k: first[k] for k in extra}}
         worst = max(worst, *((ga[k] - gb[k]).abs().max().item() for k in gb))
     return {"max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])), "max_grad_diff": worst,
+            "max_norm_diff": max(abs(x - y) for x, y in zip(a["norms"], b["norms"])),
             "num_params": len(a["grads"][0]), "losses": b["losses"]}  # fmt: skip
 
 

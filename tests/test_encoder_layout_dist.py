@@ -25,7 +25,10 @@ def check_layout(ranks: list[dict], layout: str, media: int, shared_encodes: int
             assert r["num_params"] > 0
             assert r["max_loss_diff"] <= 1e-5, f"{layout} {sp} rank {rank}: losses {r['max_loss_diff']}"
             assert r["max_grad_diff"] <= 1e-5, f"{layout} {sp} rank {rank}: gradients {r['max_grad_diff']}"
-        for step in range(len(ranks[0][layout][sp]["losses"])):  # summed over all ranks
+            # the grad norm (clipping's input) counts an encoder copied on several stages once
+            assert r["max_norm_diff"] <= 1e-5, f"{layout} {sp} rank {rank}: grad norms {r['max_norm_diff']}"
+        assert len(ranks[0][layout][sp]["encoded"][layout]) == 10  # steps
+        for step in range(10):  # summed over all ranks
             assert sum(r[layout][sp]["encoded"][layout][step] for r in ranks) == media
             assert sum(r[layout][sp]["encoded"]["shared"][step] for r in ranks) == shared_encodes * media
     assert all(r[layout]["backwards"]["trained"] > 0 and r[layout]["backwards"]["frozen"] == 0 for r in ranks)
