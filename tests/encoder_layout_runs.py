@@ -146,7 +146,7 @@ def compare(a: dict, b: dict) -> dict:
         ga = {**ga, **{k: first[k] for k in extra}}
         worst = max(worst, *((ga[k] - gb[k]).abs().max().item() for k in gb))
     return {"max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])), "max_grad_diff": worst,
-            "max_norm_diff": max(abs(x - y) for x, y in zip(a["norms"], b["norms"])),
+            "max_norm_rel_diff": max(abs(x - y) / x for x, y in zip(a["norms"], b["norms"])), "norms": b["norms"],
             "num_params": len(a["grads"][0]), "losses": b["losses"]}  # fmt: skip
 
 

@@ -25,8 +25,10 @@ def check_layout(ranks: list[dict], layout: str, media: int, shared_encodes: int
             assert r["num_params"] > 0
             assert r["max_loss_diff"] <= 1e-5, f"{layout} {sp} rank {rank}: losses {r['max_loss_diff']}"
             assert r["max_grad_diff"] <= 1e-5, f"{layout} {sp} rank {rank}: gradients {r['max_grad_diff']}"
-            # the grad norm (clipping's input) counts an encoder copied on several stages once
-            assert r["max_norm_diff"] <= 1e-5, f"{layout} {sp} rank {rank}: grad norms {r['max_norm_diff']}"
+            # the grad norm (clipping's input) counts an encoder copied on several stages once: relative,
+            # as the norm sums the squares of all gradients (elementwise 1e-5 adds up)
+            norm = r["max_norm_rel_diff"]
+            assert norm <= 1e-4, f"{layout} {sp} rank {rank}: grad norms differ by {norm:.2e} (relative)"
         assert len(ranks[0][layout][sp]["encoded"][layout]) == 10  # steps
         for step in range(10):  # summed over all ranks
             assert sum(r[layout][sp]["encoded"][layout][step] for r in ranks) == media
