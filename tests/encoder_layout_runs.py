@@ -1,11 +1,13 @@
-"""Run under torchrun (gloo, 4 processes = TP 2 x DP 2): the tiny VLM with its encoder at TP=1
-trained 10 steps with parallel.encoder_layout=shared and =hetero_dp (sequence parallelism off and
-on), from the same seed on the same micro-batches (real bundled samples: 0, 1 and 5 images of
-different sizes, a video); then hetero_dp with a frozen encoder. Every rank compares the losses
-and every parameter's gradient of the two layouts, counts the images its encoder encoded and
-whether any encoder backward ran; rank 0 writes the results to argv[1] as JSON.
+"""Run under torchrun (gloo, 4 processes): the tiny VLM with its encoder at TP=1 trained with
+parallel.encoder_layout=shared and another layout (sequence parallelism off and on), from the same
+seed on the same micro-batches (real bundled samples: 0, 1 and 5 images of different sizes, a
+video): hetero_dp at TP 2 x DP 2 (10 steps), decoupled at TP 2 x PP 2; then each with a frozen
+encoder. Every rank compares the losses and every parameter's gradient of the two layouts (a later
+stage's copy of the encoder against the first stage's), the grad norms and a final evaluation's
+loss, counts the images its encoder encoded and whether any encoder backward ran; rank 0 writes
+the results to argv[1] as JSON.
 
-    torchrun --standalone --nproc-per-node 4 tests/encoder_layout_runs.py OUT.json
+    torchrun --standalone --nproc-per-node 4 tests/encoder_layout_runs.py OUT.json [LAYOUT ...]
 """
 
 import json
@@ -25,6 +27,7 @@ from loong_parallel import (
     ParallelConfig,
     build_model_chunks,
     build_optimizer,
+    eval_step,
     init_distributed,
     initialize_model_parallel,
     runtime_transformer_fields,
@@ -32,11 +35,13 @@ from loong_parallel import (
     unwrap,
 )
 from loong_parallel.component_groups import component_process_groups
-from loong_parallel.encoder_layout import apply_encoder_layout
+from loong_parallel.encoder_layout import apply_encoder_layout, encoder_on_every_stage
 from loong_parallel.forward import lm_forward_step
 from loong_xpu import get_accelerator, redirect_cuda
 
 STEPS, SEQ = 10, 512
+LAYOUTS = {"hetero_dp": {}, "decoupled": {"pp": 2}}  # each beside shared, at TP 2 x (DP 2 | PP 2)
+VISION = ("image_encoder.", "image_projector.")
 
 
 def media(sample) -> tuple[int, int]:
@@ -80,8 +85,9 @@ class EncoderProbe:
         self.backwards += 1
 
 
-def run(accel, batches: list[dict], *, layout: str, sp: bool, freeze: bool = False) -> dict:
-    pcfg = ParallelConfig(tp=2, sequence_parallel=sp, encoder_layout=layout)
+def run(accel, batches: list[dict], *, layout: str, sp: bool, freeze: bool = False, steps: int = STEPS,
+        pp: int = 1) -> dict:  # fmt: skip
+    pcfg = ParallelConfig(tp=2, pp=pp, sequence_parallel=sp, encoder_layout=layout)
     initialize_model_parallel(pcfg, dist.get_world_size())
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
@@ -95,32 +101,66 @@ def run(accel, batches: list[dict], *, layout: str, sp: bool, freeze: bool = Fal
     def provider(pre_process, post_process, vp_stage):
         model = build_model(cfg, tconfig, device_type="cpu",
                             pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                            encoder_pg_collection=groups)  # fmt: skip
+                            encoder_pg_collection=groups, encoder_on_every_stage=encoder_on_every_stage(layout))  # fmt: skip
         return apply_encoder_layout(model, layout, cfg, mpu.get_tensor_model_parallel_group())
 
     chunks = build_model_chunks(provider, pcfg, tconfig, accel)
     optimizer, scheduler = build_optimizer(OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant"), pcfg,
                                            chunks, dtype=torch.float32, total_steps=STEPS)  # fmt: skip
-    probe = EncoderProbe(unwrap(chunks[0]).image_encoder)
-    losses, grads, images = [], [], []
-    for _ in range(STEPS):
+    encoder = unwrap(chunks[0]).image_encoder  # None on later stages of the shared layout
+    probe = EncoderProbe(encoder) if encoder is not None else EncoderProbe(torch.nn.Identity())
+    losses, norms, grads, images = [], [], [], []
+    for _ in range(steps):
         before = probe.images
         result = train_step(partial(lm_forward_step, accel.device()), iter(batches), chunks, optimizer, scheduler,
                             num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=1, device=accel.device())  # fmt: skip
         losses.append(result.loss)
+        norms.append(result.grad_norm)
         grads.append({n: p.main_grad.clone() for n, p in unwrap(chunks[0]).named_parameters() if p.requires_grad})
         images.append(probe.images - before)
+    first_stage_vision = first_stage_vision_grads(grads)
+    # the forward-only path (evaluation): the layout encodes without building the backward
+    losses.append(eval_step(partial(lm_forward_step, accel.device()), iter(batches), chunks,
+                            num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=1, device=accel.device())[0])  # fmt: skip
     mpu.destroy_model_parallel()
-    return {"losses": losses, "grads": grads, "images": images, "backwards": probe.backwards}
+    return {"losses": losses, "norms": norms, "grads": grads, "images": images, "backwards": probe.backwards,
+            "first_stage_vision": first_stage_vision}  # fmt: skip
+
+
+def first_stage_vision_grads(grads: list[dict]) -> list[dict]:
+    """The encoder's and projector's gradients of the first stage's rank with this TP rank."""
+    mine = [{k: v for k, v in g.items() if k.startswith(VISION)} for g in grads]
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    box = [mine if mpu.is_pipeline_first_stage() else None]
+    dist.broadcast_object_list(box, dist.get_process_group_ranks(pp_group)[0], group=pp_group)
+    return box[0]
 
 
 def compare(a: dict, b: dict) -> dict:
+    """``a``: shared; ``b``: the other layout, whose later stages may hold copies of the encoder:
+    those are compared with ``a``'s first stage's."""
     worst = 0.0
-    for ga, gb in zip(a["grads"], b["grads"]):
-        assert ga.keys() == gb.keys()
-        worst = max(worst, *((ga[k] - gb[k]).abs().max().item() for k in ga))
+    for ga, gb, first in zip(a["grads"], b["grads"], a["first_stage_vision"]):
+        extra = gb.keys() - ga.keys()
+        assert ga.keys() <= gb.keys() and all(k.startswith(VISION) for k in extra), sorted(extra)[:5]
+        ga = {**ga, **{k: first[k] for k in extra}}
+        worst = max(worst, *((ga[k] - gb[k]).abs().max().item() for k in gb))
     return {"max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])), "max_grad_diff": worst,
+            "max_norm_rel_diff": max(abs(x - y) / x for x, y in zip(a["norms"], b["norms"])), "norms": b["norms"],
             "num_params": len(a["grads"][0]), "losses": b["losses"]}  # fmt: skip
+
+
+def layout_report(accel, batches: list[dict], layout: str, **shape) -> dict:
+    report = {}
+    for sp in (False, True):
+        shared = run(accel, batches, layout="shared", sp=sp, **shape)
+        other = run(accel, batches, layout=layout, sp=sp, **shape)
+        report[f"sp={sp}"] = compare(shared, other)
+        report[f"sp={sp}"]["encoded"] = {"shared": shared["images"], layout: other["images"]}
+    frozen = run(accel, batches, layout=layout, sp=False, freeze=True, steps=2, **shape)
+    report["backwards"] = {"trained": other["backwards"], "frozen": frozen["backwards"]}
+    report["media"] = sum(int(mb["image_grid_thw"].shape[0] + mb["video_grid_thw"].shape[0]) for mb in batches)
+    return report
 
 
 def main() -> None:
@@ -128,18 +168,13 @@ def main() -> None:
     accel = get_accelerator("cpu")
     with redirect_cuda(accel):
         init_distributed(accel)
-        dp_rank = dist.get_rank() // 2  # megatron's default order: TP ranks are consecutive
-        batches = microbatches(out.parent, dp_rank)
-        media_here = sum(int(mb["image_grid_thw"].shape[0] + mb["video_grid_thw"].shape[0]) for mb in batches)
         report = {}
-        for sp in (False, True):
-            shared = run(accel, batches, layout="shared", sp=sp)
-            hetero = run(accel, batches, layout="hetero_dp", sp=sp)
-            report[f"sp={sp}"] = compare(shared, hetero)
-            report[f"sp={sp}"]["encoded"] = {"shared": shared["images"], "hetero_dp": hetero["images"]}
-        frozen = run(accel, batches, layout="hetero_dp", sp=False, freeze=True)
-        report["backwards"] = {"trained": hetero["backwards"], "frozen": frozen["backwards"]}
-        report["media"] = media_here
+        for layout, shape in LAYOUTS.items():
+            if sys.argv[2:] and layout not in sys.argv[2:]:  # torchrun ... OUT.json [LAYOUT ...]: only those
+                continue
+            # megatron's default order: TP ranks are consecutive, then DP (or PP) replicas
+            dp_rank = dist.get_rank() // 2 if "pp" not in shape else 0
+            report[layout] = layout_report(accel, microbatches(out.parent, dp_rank), layout, **shape)
         everything = [None] * dist.get_world_size()
         dist.all_gather_object(everything, report)
         if dist.get_rank() == 0:

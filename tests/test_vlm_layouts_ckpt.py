@@ -1,6 +1,7 @@
 """Every VLM layout that trains also saves, resumes exactly and exports HF weights (torchrun,
 2 gloo processes each): the encoder replicated (TP=1) inside the foundation's TP=2, the same with
-parallel.encoder_layout=hetero_dp, and PP=2."""
+parallel.encoder_layout=hetero_dp, PP=2, and PP=2 with parallel.encoder_layout=decoupled (the encoder
+copied on both stages: one copy saved)."""
 
 import json
 import subprocess
@@ -18,6 +19,7 @@ LAYOUTS = {
     "hetero_dp": ["parallel.tp=2", "model.image_encoder.tensor_model_parallel_size=1",
                   "parallel.encoder_layout=hetero_dp"],
     "pp2": ["parallel.pp=2"],
+    "decoupled": ["parallel.pp=2", "parallel.encoder_layout=decoupled"],
 }  # fmt: skip
 
 

@@ -250,6 +250,7 @@ def build_model(
     vp_stage: int | None = None,
     encoder_pg_collection: ProcessGroupCollection | None = None,
     layer_backend: str | None = None,
+    encoder_on_every_stage: bool = False,
 ):
     """Build this rank's pipeline stage of the model described by ``cfg``: a megatron GPTModel for a
     text-only model, an :class:`OmniCombinationModel` for a VLM.
@@ -259,6 +260,8 @@ def build_model(
     process groups when that size differs from the foundation's (see
     ``loong_parallel.component_process_groups``); otherwise megatron's global groups are used.
     ``layer_backend``: the resolved backend (:func:`resolve_backend`), resolved here when None.
+    ``encoder_on_every_stage``: a VLM's encoder and projector on every pipeline stage, not only the
+    first (``loong_parallel.encoder_layout``'s ``decoupled`` layout encodes on all of them).
     """
     backend = layer_backend or resolve_backend(cfg.layer_backend, device_type)
     if cfg.diffusion is not None:
@@ -283,7 +286,7 @@ def build_model(
         raise ValueError(f"model.image_encoder.tensor_model_parallel_size={etp} differs from the foundation's "
                          f"{ftp}: pass encoder_pg_collection (loong_parallel.component_process_groups)")  # fmt: skip
     encoder = projector = None
-    if pre_process:  # the encoder and projector live on the first pipeline stage
+    if pre_process or encoder_on_every_stage:  # the encoder and projector live on the first pipeline stage
         econfig = build_encoder_transformer_config(
             enc_cfg, config, tensor_model_parallel_size=etp, backend=backend
         )
@@ -297,17 +300,19 @@ def build_model(
             layer_backend=backend, tp_group=encoder_pg_collection.tp if encoder_pg_collection is not None else None,
             num_deepstack=len(enc_cfg.deepstack_visual_indexes),
         )  # fmt: skip
-        _check_deepstack_stage(foundation, len(enc_cfg.deepstack_visual_indexes))
+        if pre_process:
+            _check_deepstack_stage(foundation, len(enc_cfg.deepstack_visual_indexes))
         for module, component in ((encoder, enc_cfg), (projector, proj_cfg)):
-            _apply_component_settings(module, component.freeze, replicated=etp < ftp)
+            _apply_component_settings(module, component.freeze, replicated=etp < ftp, copy=not pre_process)
     model = OmniCombinationModel(
         config, foundation, encoder, projector,
         token_ids=cfg.vision_token_ids,
         spatial_merge_size=enc_cfg.spatial_merge_size,
         mrope=cfg.foundation.mrope_section is not None,
         tokens_per_second=cfg.tokens_per_second,
+        encoder_on_every_stage=encoder_on_every_stage,
     )  # fmt: skip
-    # encoder and projector: None on pipeline stages after the first
+    # encoder and projector: None on pipeline stages after the first (unless encoder_on_every_stage)
     return _with_lora(cfg, model, {"foundation": foundation, "image_encoder": encoder, "image_projector": projector})
 
 
@@ -343,10 +348,14 @@ def _with_lora(cfg: ModelConfig, model: torch.nn.Module, components: dict) -> to
     return model
 
 
-def _apply_component_settings(module: torch.nn.Module, freeze: bool, *, replicated: bool) -> None:
+def _apply_component_settings(
+    module: torch.nn.Module, freeze: bool, *, replicated: bool, copy: bool = False
+) -> None:
     for p in module.parameters():
         if freeze:
             p.requires_grad_(False)
+        if copy:  # a later pipeline stage's copy of the first stage's module: the grad norm counts it once
+            p.shared = True
         if replicated:
             # Encoder TP smaller than the foundation's: every rank of a foundation TP group holds the
             # whole encoder and computes it on the same inputs. megatron's finalize_model_grads

@@ -20,6 +20,7 @@ class EncoderLayout(StrEnum):
 
     shared = "shared"  # every rank of a TP group encodes every image of its micro-batch
     hetero_dp = "hetero_dp"  # the micro-batch's images split over the TP ranks, each encoded once
+    decoupled = "decoupled"  # the step's images split over all TP x PP ranks, encoded before the schedule
 
 
 class OffloadModule(StrEnum):
@@ -58,7 +59,8 @@ class ParallelConfig:
     ddp_bucket_size: int | None = None  # elements per DDP bucket; None = megatron's default
     # Where a VLM's image encoder runs (loong_parallel.encoder_layout): shared (every TP rank
     # encodes every image) | hetero_dp (the images of a micro-batch split over the TP ranks;
-    # needs model.image_encoder.tensor_model_parallel_size=1 and tp > 1).
+    # needs model.image_encoder.tensor_model_parallel_size=1 and tp > 1) | decoupled (the images
+    # of a step split over all TP x PP ranks, outside the pipeline schedule; needs pp > 1).
     encoder_layout: EncoderLayout = EncoderLayout.shared
     # Mixture-of-Experts layout (only for models with a `moe:` config). Experts are split over
     # ep ranks; each expert's weights over etp ranks (None = tp). Expert layers see
@@ -126,6 +128,7 @@ class ParallelConfig:
             raise ValueError(f"parallel.vpp={self.vpp} needs parallel.pp >= 2")
         if self.encoder_layout == EncoderLayout.hetero_dp and self.tp == 1:
             raise ValueError("parallel.encoder_layout=hetero_dp splits images over the TP ranks: it needs parallel.tp > 1")
+        self._validate_decoupled()
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1")
         if self.overlap_param_gather and not self.distributed_optimizer:
@@ -134,6 +137,20 @@ class ParallelConfig:
             allowed = ", ".join(CPCommType)
             raise ValueError(f"parallel.cp_comm_type={str(self.cp_comm_type)!r}; allowed: {allowed}")
         self.data_parallel_size(world_size)
+
+    def _validate_decoupled(self) -> None:
+        if self.encoder_layout != EncoderLayout.decoupled:
+            return
+        if self.pp < 2:
+            raise ValueError("parallel.encoder_layout=decoupled spreads encoding over the pipeline stages: it needs "
+                             "parallel.pp > 1 (use hetero_dp with pp=1)")  # fmt: skip
+        unsupported = {"vpp": self.vpp is not None, "cp": self.cp > 1, "overlap_grad_reduce": self.overlap_grad_reduce}
+        for key, bad in unsupported.items():
+            # vpp / cp: the encoder's place in interleaved and context-parallel schedules is not built;
+            # overlap_grad_reduce: the encoder's gradients arrive after the schedule's last backward
+            if bad:
+                raise ValueError(f"parallel.encoder_layout=decoupled does not support parallel.{key}="
+                                 f"{getattr(self, key)} yet; use parallel.encoder_layout=shared or hetero_dp")  # fmt: skip
 
     def _validate_moe(
         self, world_size: int, num_experts: int | None, expert_ffn: int | None, has_shared: bool

@@ -12,6 +12,9 @@
   over TP ranks; megatron's ``finalize_model_grads`` averages replicated parameters over TP
   (``average_gradients_across_tp_domain``), so the backward scales the kept rows by TP and the
   average is the sum: the single-process gradient, exact for power-of-two TP.
+- ``decoupled`` (PP > 1): the images of all micro-batches of a step are split over every TP x PP
+  rank, encoded before megatron's schedule, sent to the first stage, and their gradient sent back
+  after it (:mod:`loong_parallel.encoder_decoupled`). The encoder lives on every stage.
 
 The layout is applied to a built model from outside (:func:`apply_encoder_layout`), the model
 only asks its ``vision_encode`` hook for the embeddings.
@@ -112,26 +115,39 @@ def vision_cost(model_cfg) -> MultimodalCost:
 
 
 def encoder_layout_errors(layout: str, model_cfg, tp: int) -> list[str]:
-    """``hetero_dp`` needs a VLM whose encoder is replicated (TP=1) inside a foundation TP group
-    of more than one rank (the group size is ParallelConfig.validate's)."""
-    if layout != EncoderLayout.hetero_dp:
+    """``hetero_dp`` and ``decoupled`` need a VLM whose encoder is replicated (TP=1) on every rank
+    that encodes (the group sizes are ParallelConfig.validate's)."""
+    if layout == EncoderLayout.shared:
         return []
     if model_cfg.image_encoder is None:
-        return ["parallel.encoder_layout=hetero_dp needs a VLM (model.image_encoder is null)"]
+        return [f"parallel.encoder_layout={layout} needs a VLM (model.image_encoder is null)"]
     etp = model_cfg.image_encoder.tensor_model_parallel_size
-    if etp != 1:
-        return [f"parallel.encoder_layout=hetero_dp needs model.image_encoder.tensor_model_parallel_size=1 "
+    if etp != 1 and not (etp is None and tp == 1):
+        return [f"parallel.encoder_layout={layout} needs model.image_encoder.tensor_model_parallel_size=1 "
                 f"(each TP rank holds a whole encoder), got {etp} (null = the foundation's parallel.tp={tp})"]  # fmt: skip
     if model_cfg.image_encoder.deepstack_visual_indexes:  # the layout returns the last layer's tokens only
-        return ["parallel.encoder_layout=hetero_dp does not carry DeepStack features yet "
+        return [f"parallel.encoder_layout={layout} does not carry DeepStack features yet "
                 "(model.image_encoder.deepstack_visual_indexes is set); use parallel.encoder_layout=shared"]  # fmt: skip
     return []
 
 
+def encoder_on_every_stage(layout: str) -> bool:
+    """Whether the layout builds the encoder on every pipeline stage (``build_model``'s flag)."""
+    return layout == EncoderLayout.decoupled
+
+
 def apply_encoder_layout(model: torch.nn.Module, layout: str, model_cfg, tp_group) -> torch.nn.Module:
     """Set the layout on a built VLM stage (before DDP wrapping); text models and stages without
-    the encoder are returned as they are."""
+    the encoder are returned as they are. ``decoupled`` also gives the model a ``forward_backward_wrapper`` for megatron's schedule (see
+    :func:`loong_parallel.step.forward_backward_func`) and a ``finish_build`` (collective, called by
+    :func:`loong_parallel.build_model_chunks` once every rank has built its stage)."""
     if layout == EncoderLayout.shared or getattr(model, "image_encoder", None) is None:
+        return model
+    if layout == EncoderLayout.decoupled:
+        from loong_parallel.encoder_decoupled import DecoupledEncode  # it imports split_media from here
+
+        decoupled = DecoupledEncode(model, vision_cost(model_cfg), dist.get_world_size(tp_group))
+        model.vision_encode, model.forward_backward_wrapper, model.finish_build = decoupled, decoupled.wrap, decoupled.setup
         return model
     model.vision_encode = HeteroDPEncode(tp_group, vision_cost(model_cfg))
     return model

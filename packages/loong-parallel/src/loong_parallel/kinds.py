@@ -21,7 +21,7 @@ from loong_models import ModelConfig, build_model, build_transformer_config, fus
 from loong_models.flops import Work
 from loong_parallel.component_groups import image_encoder_process_groups
 from loong_parallel.config import ParallelConfig
-from loong_parallel.encoder_layout import apply_encoder_layout, vision_shape
+from loong_parallel.encoder_layout import apply_encoder_layout, encoder_on_every_stage, vision_shape
 from loong_parallel.forward import lm_forward_step
 from loong_parallel.model import ModelProvider
 from loong_parallel.moe import RouterStats
@@ -106,7 +106,8 @@ class LanguageModel:
         def build(pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
             model = build_model(self.cfg, config, device_type=device_type, pre_process=pre_process,
                                 post_process=post_process, vp_stage=vp_stage, encoder_pg_collection=groups,
-                                layer_backend=self.backend)  # fmt: skip
+                                layer_backend=self.backend,
+                                encoder_on_every_stage=encoder_on_every_stage(parallel.encoder_layout))  # fmt: skip
             return apply_encoder_layout(model, parallel.encoder_layout, self.cfg, mpu.get_tensor_model_parallel_group())
 
         return build

@@ -34,6 +34,10 @@ def build_model_chunks(
             pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
             chunks.append(provider(pre, post, vp_stage).to(accel.device()))
+    for chunk in chunks:  # collective setup a model defers until every rank has built its stage
+        finish = getattr(unwrap(chunk), "finish_build", None)  # (the decoupled encoder layout)
+        if finish is not None:
+            finish()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=pcfg.grad_reduce_in_fp32,
         overlap_grad_reduce=pcfg.overlap_grad_reduce,

@@ -16,6 +16,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from loong_parallel.model import unwrap
+
 # The loss function handed to megatron returns (loss_sum, num_tokens, {LOSS_KEY: [sum, count]}).
 LOSS_KEY = "lm loss"
 
@@ -66,6 +68,14 @@ def _global_loss(per_microbatch: list[dict], device: torch.device) -> tuple[floa
     return loss_sum / max(count, 1.0), int(count)
 
 
+def forward_backward_func(chunks: list[torch.nn.Module]) -> Callable:
+    """megatron's schedule for this run, wrapped by the model when it runs work around it (the
+    ``decoupled`` image-encoder layout encodes before it: loong_parallel.encoder_layout)."""
+    func = get_forward_backward_func()
+    wrapper = getattr(unwrap(chunks[0]), "forward_backward_wrapper", None)
+    return wrapper(func) if wrapper is not None else func
+
+
 def _schedule_kwargs(num_microbatches: int, seq_length: int, micro_batch_size: int) -> dict:
     return dict(num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size)
 
@@ -90,7 +100,7 @@ def train_step(
     optimizer.zero_grad()
     timing: dict[str, float] = {}
     with _time_until_grad_sync(chunks, synchronize, timing) if synchronize else _no_timing():
-        outputs = get_forward_backward_func()(
+        outputs = forward_backward_func(chunks)(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
             model=chunks,
@@ -144,7 +154,7 @@ def eval_step(
     for chunk in chunks:
         chunk.eval()
     try:
-        outputs = get_forward_backward_func()(
+        outputs = forward_backward_func(chunks)(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
             model=chunks,

@@ -21,18 +21,22 @@ from loong_models.omni.mrope import VisionTokenIds, mrope_positions
 # The media inputs of forward(), as micro-batches carry them (loong_data.multimodal collates them).
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
-def mark_tp_replicas(sharded: dict, component_tp: int, foundation_tp: int) -> dict:
+def mark_tp_replicas(sharded: dict, component_tp: int, foundation_tp: int, *, every_stage: bool = False) -> dict:
     """A component whose TP size is smaller than the foundation's (an encoder at TP=1 inside
     TP=2) is replicated over the foundation's TP group, but its own (smaller) TP group numbers
     each copy as TP rank 0: every copy would claim to be the main replica and megatron's
     distributed checkpointing refuses the duplicates. Appending the replica's index in the
-    foundation's TP group makes exactly one copy the main replica (all-zero id)."""
-    if component_tp >= foundation_tp:
+    foundation's TP group makes exactly one copy the main replica (all-zero id). A component on
+    ``every_stage`` of the pipeline is also copied over the stages: the index then counts the
+    stage too (the first stage's TP rank 0 holds the main replica)."""
+    if component_tp >= foundation_tp and not every_stage:
         return sharded
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 
     replica = mpu.get_tensor_model_parallel_rank() // component_tp
+    if every_stage:
+        replica += foundation_tp // component_tp * mpu.get_pipeline_model_parallel_rank()
 
     def mark(item):
         if hasattr(item, "replica_id"):
@@ -46,7 +50,8 @@ def mark_tp_replicas(sharded: dict, component_tp: int, foundation_tp: int) -> di
 
 class OmniCombinationModel(MegatronModule):
     """Modules: ``foundation`` (megatron GPTModel), ``image_encoder`` and ``image_projector``
-    (first pipeline stage only, else None).
+    (first pipeline stage only, else None; on every stage with ``encoder_on_every_stage``, where
+    a parallel encoder layout encodes on all of them).
 
     ``forward(input_ids, position_ids, attention_mask, labels=None, packed_seq_params=None,
     pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
@@ -65,6 +70,7 @@ class OmniCombinationModel(MegatronModule):
         spatial_merge_size: int,
         mrope: bool,
         tokens_per_second: float = 2.0,
+        encoder_on_every_stage: bool = False,
     ) -> None:
         super().__init__(config=config)
         self.foundation = foundation
@@ -74,6 +80,7 @@ class OmniCombinationModel(MegatronModule):
         self.spatial_merge_size = spatial_merge_size
         self.mrope = mrope
         self.tokens_per_second = tokens_per_second
+        self.encoder_on_every_stage = encoder_on_every_stage
         self.pre_process = foundation.pre_process
         self.post_process = foundation.post_process
         self.model_type = foundation.model_type  # megatron's schedules read it from the chunk
@@ -98,7 +105,8 @@ class OmniCombinationModel(MegatronModule):
             if module is not None:
                 part = module.sharded_state_dict(f"{prefix}{name}.", (), metadata)
                 out.update(mark_tp_replicas(part, module.config.tensor_model_parallel_size,
-                                            self.config.tensor_model_parallel_size))  # fmt: skip
+                                            self.config.tensor_model_parallel_size,
+                                            every_stage=self.encoder_on_every_stage))  # fmt: skip
         return out
 
     # --- forward ---
