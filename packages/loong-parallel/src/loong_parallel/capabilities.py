@@ -18,7 +18,6 @@ logger = logging.getLogger("loong_parallel")
 # (config key, does this run ask for it, the feature it needs)
 FEATURE_KEYS: tuple[tuple[str, Callable[[ModelConfig, ParallelConfig], bool], str], ...] = (
     ("model.layer_backend=te", lambda m, p: m.layer_backend == "te", "te"),
-    ("model.foundation.precision.fp8", lambda m, p: m.foundation.precision.enabled, "fp8"),
     ("parallel.moe_a2a_overlap=true", lambda m, p: p.moe_a2a_overlap, "side_streams"),
     ("parallel.moe_shared_expert_overlap=true", lambda m, p: p.moe_shared_expert_overlap, "side_streams"),
     ("parallel.offload_activations", lambda m, p: bool(p.offload_activations), "side_streams"),
