@@ -76,3 +76,25 @@ def test_the_fp8_recipes_follow_the_compute_capability():
     assert fp8_recipes_for((9, 0)) == {"delayed", "tensorwise", "blockwise"}
     assert fp8_recipes_for((10, 0)) == {"delayed", "tensorwise", "blockwise", "mxfp8"}
     assert get_accelerator("cpu").fp8_recipes() == frozenset()
+
+
+@pytest.mark.parametrize(("model", "parallel", "key"), [
+    (ModelConfig(attention_backend="fused"), ParallelConfig(), "model.attention_backend"),
+    (ModelConfig(), ParallelConfig(wgrad_fusion=True), "parallel.wgrad_fusion=true"),
+])  # fmt: skip
+def test_te_levers_are_refused_off_cuda_and_on_local_layers_naming_the_key(model, parallel, key):
+    with pytest.raises(UnsupportedFeatureError, match=rf"^{key}: the 'cpu' accelerator does not support 'te'"):
+        require_features(model, parallel, get_accelerator("cpu"))
+    model.layer_backend = "local"
+    with pytest.raises(UnsupportedFeatureError, match=rf"^{key} needs Transformer Engine layers, but model.layer_backend=local"):
+        require_features(model, parallel, Hopper())
+
+
+def test_the_attention_backend_choice_becomes_megatrons_field():
+    from megatron.core.transformer.enums import AttnBackend
+
+    from loong_models.specs import attention_backend_fields
+
+    assert attention_backend_fields("auto") == {}
+    assert attention_backend_fields("fused") == {"attention_backend": AttnBackend.fused}
+    assert attention_backend_fields("flash") == {"attention_backend": AttnBackend.flash}

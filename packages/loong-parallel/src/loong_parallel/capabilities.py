@@ -18,10 +18,15 @@ logger = logging.getLogger("loong_parallel")
 # (config key, does this run ask for it, the feature it needs)
 FEATURE_KEYS: tuple[tuple[str, Callable[[ModelConfig, ParallelConfig], bool], str], ...] = (
     ("model.layer_backend=te", lambda m, p: m.layer_backend == "te", "te"),
+    ("model.attention_backend", lambda m, p: m.attention_backend != "auto", "te"),
+    ("parallel.wgrad_fusion=true", lambda m, p: p.wgrad_fusion, "te"),
     ("parallel.moe_a2a_overlap=true", lambda m, p: p.moe_a2a_overlap, "side_streams"),
     ("parallel.moe_shared_expert_overlap=true", lambda m, p: p.moe_shared_expert_overlap, "side_streams"),
     ("parallel.offload_activations", lambda m, p: bool(p.offload_activations), "side_streams"),
 )
+
+# keys that tune TE layers: refused when model.layer_backend resolves to the local backend
+_NEED_TE_LAYERS = ("model.attention_backend", "parallel.wgrad_fusion=true")
 
 
 def require_features(model: ModelConfig, parallel: ParallelConfig, accel: Accelerator) -> None:
@@ -31,7 +36,15 @@ def require_features(model: ModelConfig, parallel: ParallelConfig, accel: Accele
     for key, asks, feature in FEATURE_KEYS:
         if asks(model, parallel):
             accel.require(feature, key)
+            if key in _NEED_TE_LAYERS:  # the accelerator can run TE; the layers must also resolve to it
+                _require_te_layers(model, accel, key)
     require_precision(model, accel)
+
+
+def _require_te_layers(model: ModelConfig, accel: Accelerator, key: str) -> None:
+    if resolve_backend(model.layer_backend, accel.device_type) != "te":
+        raise UnsupportedFeatureError(f"{key} needs Transformer Engine layers, but model.layer_backend="
+                                      f"{model.layer_backend} resolves to the local backend (install loong-models[te])")  # fmt: skip
 
 
 def require_precision(model: ModelConfig, accel: Accelerator, prefix: str = "model.foundation.precision") -> None:
@@ -45,10 +58,7 @@ def require_precision(model: ModelConfig, accel: Accelerator, prefix: str = "mod
     if str(p.recipe) not in runs:
         raise UnsupportedFeatureError(f"{prefix}.recipe={p.recipe}: {accel.device_name()!r} cannot run it; "
                                       f"it runs: {', '.join(sorted(runs)) or 'none'}")  # fmt: skip
-    if resolve_backend(model.layer_backend, accel.device_type) != "te":
-        raise UnsupportedFeatureError(f"{prefix}.fp8={p.fp8} needs Transformer Engine layers, but "
-                                      f"model.layer_backend={model.layer_backend} resolves to the local backend "
-                                      "(install loong-models[te])")  # fmt: skip
+    _require_te_layers(model, accel, f"{prefix}.fp8={p.fp8}")
     if p.fp8 == "adaptive":
         policy = load_policy(p.policy)
         for warning in check_policy_environment(policy, recipe=p.recipe, gpu_name=accel.device_name(),

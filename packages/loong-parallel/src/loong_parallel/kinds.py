@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from loong_models import ModelConfig, build_model, build_transformer_config, fusion_fields, resolve_backend
 from loong_models.flops import Work
 from loong_models.precision import load_policy, precision_fields
+from loong_models.specs import attention_backend_fields
 from loong_parallel.component_groups import image_encoder_process_groups
 from loong_parallel.config import ParallelConfig
 from loong_parallel.encoder_layout import apply_encoder_layout, vision_shape
@@ -101,7 +102,8 @@ class LanguageModel:
         options, grouped-GEMM experts)."""
         return build_transformer_config(self.cfg.foundation,
                                         **runtime_transformer_fields(parallel, dtype=dtype, device_type=device_type),
-                                        **fusion_fields(self.backend), **self._precision_fields(parallel))  # fmt: skip
+                                        **fusion_fields(self.backend), **self._precision_fields(parallel),
+                                        **attention_backend_fields(self.cfg.attention_backend))  # fmt: skip
 
     def _precision_fields(self, parallel: ParallelConfig) -> dict:
         """The foundation's FP8 fields; adaptive decides per GEMM kind at this run's TP size and tokens."""
