@@ -10,6 +10,12 @@ after warm-up.
     python bench/llm_throughput.py                       # both, default shape
     python bench/llm_throughput.py --steps 30 --warmup 10 --hf-modes amp bf16
     python bench/llm_throughput.py --loong-extra model.layer_backend=local   # without TE
+    python bench/llm_throughput.py --hf-modes --variants base= wgrad=++parallel.wgrad_fusion=true \
+        fp8=++model.foundation.precision.fp8=on,++model.foundation.precision.recipe=tensorwise
+    python bench/llm_throughput.py --model llama3.1-8b --model-override foundation.num_layers=4 --seq 8192 --hf-modes
+
+``--variants label=override,override ...`` runs Loong once per variant (same batches), on top of
+``--loong-extra``; ``--model-override`` changes the model of every run (Loong, HF, the FLOP count).
 
 MFU = (6 N + 6 L h s) * tokens/s / peak (989 TFLOP/s bf16 on H100/H200), N = parameters.
 """
@@ -32,19 +38,31 @@ from train_app import run_train_app  # noqa: E402
 PEAK = 989e12
 
 
-def foundation(model: str):
+def foundation(model: str, overrides: list[str] = ()):
     from loong_models import load_model_config
 
-    return load_model_config(model).foundation
+    return load_model_config(model, list(overrides)).foundation
 
 
-def run_loong(args, out: Path) -> tuple[list[float], float]:
+def parse_variants(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """``label=ov1,ov2`` -> (label, [ov1, ov2]); ``label=`` is the run with no extra overrides."""
+    variants = []
+    for spec in specs:
+        label, sep, overrides = spec.partition("=")
+        if not sep or not label:
+            raise SystemExit(f"--variants {spec!r}: expected label=override,override (or label= for none)")
+        variants.append((label, [o for o in overrides.split(",") if o]))
+    return variants
+
+
+def run_loong(args, out: Path, variant: list[str]) -> tuple[list[float], float]:
+    model_overrides = [o if o.startswith(("+", "~")) else f"model.{o}" for o in args.model_override]
     cmd = [
         sys.executable, "-m", "loong_train", f"model={args.model}", f"data.seq_length={args.seq}",
         f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={args.mbs}", f"train.steps={args.steps}",
         "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false", "train.progress=false",
         f"train.output_dir={out}", f"data.cache_dir={out}/data", "optim.lr=3e-4", "optim.min_lr=3e-5",
-        f"optim.warmup_steps={args.warmup}", "train.dtype=bf16", *args.loong_extra,
+        f"optim.warmup_steps={args.warmup}", "train.dtype=bf16", *model_overrides, *args.loong_extra, *variant,
     ]  # fmt: skip
     print("loong:", " ".join(cmd[2:]), flush=True)
     train = run_train_app(cmd, out, label="loong run")
@@ -66,7 +84,7 @@ def hf_worker(args) -> None:
         prepare_text_dataset,
     )
 
-    f = foundation(args.model)
+    f = foundation(args.model, args.model_override)
     rs = f.rope_scaling
     config = LlamaConfig(
         vocab_size=f.vocab_size, hidden_size=f.hidden_size, intermediate_size=f.ffn_hidden_size,
@@ -113,7 +131,7 @@ def hf_worker(args) -> None:
 def run_hf(args, mode: str, workdir: str) -> tuple[list[float], float]:
     cmd = [sys.executable, __file__, "--worker", "hf", "--hf-mode", mode, "--workdir", workdir,
            f"--model={args.model}", f"--seq={args.seq}", f"--mbs={args.mbs}", f"--steps={args.steps}",
-           f"--warmup={args.warmup}"]  # fmt: skip
+           f"--warmup={args.warmup}", "--model-override", *args.model_override]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stderr[-6000:], file=sys.stderr)
@@ -133,6 +151,9 @@ def main() -> None:
                    help="amp: fp32 weights + bf16 autocast (Loong's numerics); bf16: bf16 weights and optimizer")
     p.add_argument("--skip-loong", action="store_true")
     p.add_argument("--loong-extra", nargs="*", default=[], help="extra overrides for the Loong run")
+    p.add_argument("--variants", nargs="*", default=["loong="],
+                   help="Loong runs: label=override,override (label= : no extra overrides)")
+    p.add_argument("--model-override", nargs="*", default=[], help="model overrides, e.g. foundation.num_layers=4")
     p.add_argument("--worker", choices=["hf"], help=argparse.SUPPRESS)
     p.add_argument("--hf-mode", default="amp", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -140,29 +161,36 @@ def main() -> None:
     if args.worker == "hf":
         return hf_worker(args)
 
-    f = foundation(args.model)
+    f = foundation(args.model, args.model_override)
     tokens_per_step = args.mbs * args.seq
     fpt = f.flops_per_token(args.seq)  # the model's own count (loong-models)
-    rows = []
+    rows, loong_rows = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_loong:
-            times, peak = run_loong(args, Path(tmp) / "loong")
-            rows.append(("loong " + " ".join(args.loong_extra), statistics.median(times), peak))
+            for label, variant in parse_variants(args.variants):
+                times, peak = run_loong(args, Path(tmp) / f"loong-{label}", variant)
+                rows.append((" ".join(["loong", label, *args.loong_extra]), statistics.median(times), peak))
+                loong_rows += 1
         for mode in args.hf_modes:
             times, peak = run_hf(args, mode, tmp)
             rows.append((f"hf transformers ({mode}, sdpa)", statistics.median(times), peak))
     import torch
 
-    print(f"\n{args.model}: {f.num_parameters() / 1e9:.3f}B params, seq {args.seq}, micro-batch {args.mbs}, "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, median of {args.steps - args.warmup} steps after {args.warmup} warm-up")  # fmt: skip
-    print(f"{'stack':<44} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    print(f"\n{args.model} {' '.join(args.model_override)}: {f.num_parameters() / 1e9:.3f}B params, seq {args.seq}, "
+          f"micro-batch {args.mbs}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
+          f"median of {args.steps - args.warmup} steps after {args.warmup} warm-up")  # fmt: skip
+    print(f"{'stack':<60} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
     for name, step, peak in rows:
         tps = tokens_per_step / step
         peak_s = f"{peak:9.1f}" if peak is not None else f"{'-':>9}"
-        print(f"{name:<44} {step:8.3f} {tps:10,.0f} {fpt * tps / PEAK:6.3f} {peak_s}")
-    if len(rows) > 1 and not args.skip_loong:
-        base = rows[1][1]
-        print(f"\nloong / {rows[1][0]}: {base / rows[0][1]:.3f}x tokens/s")
+        print(f"{name:<60} {step:8.3f} {tps:10,.0f} {fpt * tps / PEAK:6.3f} {peak_s}")
+    if loong_rows and len(rows) > loong_rows:  # each Loong run against the first HF run
+        base_name, base = rows[loong_rows][0], rows[loong_rows][1]
+        for name, step, _ in rows[:loong_rows]:
+            print(f"{name} / {base_name}: {base / step:.3f}x tokens/s")
+    if loong_rows > 1:  # each variant against the first
+        for name, step, _ in rows[1:loong_rows]:
+            print(f"{name} / {rows[0][0]}: {rows[0][1] / step:.3f}x tokens/s")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ def test_bad_values_name_the_key(override, message):
         ("model.layer_backend=fast", "model.layer_backend", "auto, te, local"),
         ("++model.foundation.recompute=some", "model.foundation.recompute", "selective, full"),
         ("+data.lerobot.norm_mode=zscore", "data.lerobot.norm_mode", "mean_std, min_max, quantiles"),
+        ("++model.foundation.precision.fp8=maybe", "model.foundation.precision.fp8", "off, on, adaptive"),
+        ("++model.foundation.precision.recipe=nvfp4", "model.foundation.precision.recipe",
+         "tensorwise, blockwise, delayed, mxfp8"),
+        ("++model.attention_backend=sdpa", "model.attention_backend", "auto, flash, fused, unfused"),
     ],
 )
 def test_choices_name_the_allowed_values(override, key, allowed):
@@ -64,6 +68,12 @@ def test_choices_name_the_allowed_values(override, key, allowed):
     with pytest.raises(ValidationError, match=rf"Invalid value '.*', expected one of \[{allowed}\]") as e:
         to_config(compose_config(override))
     assert e.value.full_key == key
+
+
+def test_an_adaptive_fp8_run_without_a_policy_is_refused_naming_the_key():
+    cfg = to_config(compose_config("++model.foundation.precision.fp8=adaptive"))
+    with pytest.raises(ConfigError, match=r"model.foundation.precision.fp8=adaptive needs model.foundation.precision.policy"):
+        validate(cfg, world_size=1)
 
 
 def test_world_size_must_fit_layout():

@@ -265,7 +265,7 @@ ARG_MAP: dict[str, Arg] = {
     ),
     "--ckpt-format": custom(_choice("--ckpt-format", {"torch_dist": []}, "the default (torch_dist)")),
     "--context-parallel-size": error("context parallelism is not available yet", "parallel.tp / parallel.pp"),
-    "--fp8-format": error("FP8 training is not available yet", "--bf16 (train.dtype=bf16)"),
+    "--fp8-format": error("FP8 is set per component", "model.foundation.precision.fp8=on and .recipe"),
     "--recompute-granularity": custom(
         _choice("--recompute-granularity", _RECOMPUTE, "model.foundation.recompute")
     ),

@@ -50,7 +50,7 @@ from loong_parallel import (
 )
 from loong_train.log import logger
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
-from loong_xpu import UnsupportedFeatureError, get_accelerator, redirect_cuda
+from loong_xpu import get_accelerator, redirect_cuda
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -106,9 +106,9 @@ class Trainer:
         """Devices and process groups, data, model chunks, optimizer, metrics."""
         cfg, t = self.cfg, self.cfg.train
         self.accel = get_accelerator(None if t.device == "auto" else t.device)
-        try:  # e.g. layer_backend=te on a backend without TE: refused before anything is built
+        try:  # e.g. layer_backend=te or FP8 on a backend without them: refused before anything is built
             require_features(cfg.model, cfg.parallel, self.accel)
-        except UnsupportedFeatureError as e:
+        except ValueError as e:  # UnsupportedFeatureError, or an FP8 policy that does not fit
             raise ConfigError(str(e)) from None
         self._exit.enter_context(redirect_cuda(self.accel))
         owns_process_group = not dist.is_initialized()
@@ -122,7 +122,8 @@ class Trainer:
         self.dp = data_parallel()
         layout = step_layout(cfg, num_microbatches=self.num_microbatches, dp=self.dp, device=self.device)
         self.data = data(layout) if data else run_data(cfg, layout, is_main=self.is_main)
-        self.model = model or model_kind(cfg.model, self.accel.device_type, seed=t.seed)
+        tokens = cfg.data.seq_length * t.micro_batch_size // cfg.parallel.cp  # one micro-batch's GEMM rows
+        self.model = model or model_kind(cfg.model, self.accel.device_type, seed=t.seed, tokens_per_microbatch=tokens)
         self._build_model()
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, cfg.parallel, self.chunks, dtype=self.dtype,
                                                          total_steps=t.steps)  # fmt: skip

@@ -28,7 +28,7 @@ from loong_models.image_projector import (
 )
 from loong_models.lora import LoraConfig, apply_lora
 from loong_models.omni import OmniCombinationModel, VisionTokenIds
-from loong_models.specs import LayerBackend, resolve_backend
+from loong_models.specs import AttentionBackend, LayerBackend, resolve_backend
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 VISION_TOKEN_KEYS = tuple(f.name for f in dataclasses.fields(VisionTokenIds))  # also ModelConfig's keys
@@ -50,6 +50,8 @@ class ModelConfig:
     tokens_per_second: float = 2.0
     # Which layer implementations to use: auto (TE on CUDA when installed, else local), te, local.
     layer_backend: LayerBackend = LayerBackend.auto
+    # TE's attention kernel: auto | flash | fused (cuDNN) | unfused; anything but auto needs TE layers
+    attention_backend: AttentionBackend = AttentionBackend.auto
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
     # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,

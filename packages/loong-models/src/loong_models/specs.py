@@ -51,6 +51,25 @@ class LayerBackend(StrEnum):
     local = "local"  # megatron-core's local modules, SDPA attention, Loong's RMSNorm
 
 
+class AttentionBackend(StrEnum):
+    """TE's attention kernel (``model.attention_backend``; megatron's attention_backend, which sets
+    TE's NVTE_*_ATTN switches). Only with TE layers."""
+
+    auto = "auto"  # TE picks per shape
+    flash = "flash"  # FlashAttention (TE's flash-attn backend; needs the flash-attn package)
+    fused = "fused"  # cuDNN fused attention
+    unfused = "unfused"  # TE's plain softmax(QK^T)V
+
+
+def attention_backend_fields(choice: AttentionBackend | str) -> dict:
+    """The TransformerConfig field for a non-default choice (none for auto)."""
+    if choice == AttentionBackend.auto:
+        return {}
+    from megatron.core.transformer.enums import AttnBackend
+
+    return {"attention_backend": AttnBackend[str(choice)]}
+
+
 @functools.cache
 def te_installed() -> bool:
     try:

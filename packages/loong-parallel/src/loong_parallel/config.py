@@ -78,6 +78,10 @@ class ParallelConfig:
     # Fine-grained activation offloading: the inputs of these modules are kept in host memory
     # between forward and backward (CUDA); empty = off.
     offload_activations: list[OffloadModule] = field(default_factory=list)
+    # TE linears accumulate weight gradients straight into the fp32 main_grad (TE's fused wgrad
+    # accumulation: no separate add per micro-batch, no apex). megatron's own output layer keeps its
+    # unfused add: its fusion needs apex's fused_weight_gradient_mlp_cuda. Needs TE layers (CUDA).
+    wgrad_fusion: bool = False
     # Data-parallel load balancing of packed samples (data.packing=thd)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
 

@@ -94,9 +94,9 @@ class EmbodiedPolicy:
                 f"Gemma {c.vlm.depth}x{c.vlm.width} + expert {c.expert.width}, horizon {c.chunk_size})")  # fmt: skip
 
 
-def model_kind(cfg: ModelConfig, device_type: str, *, seed: int = 0):
+def model_kind(cfg: ModelConfig, device_type: str, *, seed: int = 0, tokens_per_microbatch: int | None = None):
     """The kind that trains ``cfg``: an embodied policy, a diffusion transformer (``seed``: its
-    noise), else the zoo's language models."""
+    noise), else the zoo's language models (``tokens_per_microbatch``: adaptive FP8's key)."""
     from loong_parallel.diffusion import DiffusionModel
     from loong_parallel.kinds import LanguageModel
 
@@ -104,4 +104,4 @@ def model_kind(cfg: ModelConfig, device_type: str, *, seed: int = 0):
         return EmbodiedPolicy(cfg.embodied)
     if cfg.diffusion is not None:
         return DiffusionModel.from_config(cfg, device_type, seed=seed)
-    return LanguageModel.from_config(cfg, device_type)
+    return LanguageModel.from_config(cfg, device_type, tokens_per_microbatch=tokens_per_microbatch)

@@ -19,6 +19,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_models import ModelConfig, build_model, build_transformer_config, fusion_fields, resolve_backend
 from loong_models.flops import Work
+from loong_models.precision import load_policy, precision_fields
+from loong_models.specs import attention_backend_fields
 from loong_parallel.component_groups import image_encoder_process_groups
 from loong_parallel.config import ParallelConfig
 from loong_parallel.encoder_layout import apply_encoder_layout, encoder_on_every_stage, vision_shape
@@ -85,11 +87,14 @@ class LanguageModel:
 
     cfg: ModelConfig
     backend: str
+    # tokens one GEMM sees per micro-batch (seq_length x micro-batch / cp): adaptive FP8's lookup key
+    tokens_per_microbatch: int | None = None
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, device_type: str) -> LanguageModel:
+    def from_config(cls, cfg: ModelConfig, device_type: str, *, tokens_per_microbatch: int | None = None
+                    ) -> LanguageModel:  # fmt: skip
         """Resolves the layer backend, once for every component."""
-        return cls(cfg, resolve_backend(cfg.layer_backend, device_type))
+        return cls(cfg, resolve_backend(cfg.layer_backend, device_type), tokens_per_microbatch)
 
     def transformer_config(self, parallel: ParallelConfig, *, dtype: torch.dtype, device_type: str
                            ) -> TransformerConfig:  # fmt: skip
@@ -97,7 +102,20 @@ class LanguageModel:
         options, grouped-GEMM experts)."""
         return build_transformer_config(self.cfg.foundation,
                                         **runtime_transformer_fields(parallel, dtype=dtype, device_type=device_type),
-                                        **fusion_fields(self.backend))  # fmt: skip
+                                        **fusion_fields(self.backend), **self._precision_fields(parallel),
+                                        **attention_backend_fields(self.cfg.attention_backend))  # fmt: skip
+
+    def _precision_fields(self, parallel: ParallelConfig) -> dict:
+        """The foundation's FP8 fields; adaptive decides per GEMM kind at this run's TP size and tokens."""
+        f = self.cfg.foundation
+        pcfg = f.precision
+        if pcfg.fp8 == "adaptive" and pcfg.num_tokens is None and self.tokens_per_microbatch is None:
+            raise ValueError("model.foundation.precision.fp8=adaptive: set model.foundation.precision.num_tokens "
+                             "(no run shape to derive it from)")  # fmt: skip
+        policy = load_policy(pcfg.policy) if pcfg.fp8 == "adaptive" else None
+        return precision_fields(pcfg, policy, gemms=f.gemm_kinds(), tp=parallel.tp,
+                                tokens=pcfg.num_tokens or self.tokens_per_microbatch or 0,
+                                router_topk=f.moe.router_topk if f.moe else 1, prefix="model.foundation")  # fmt: skip
 
     def provider(self, config: TransformerConfig, parallel: ParallelConfig, *, device_type: str) -> ModelProvider:
         """Collective: a VLM's image encoder may get its own process groups."""

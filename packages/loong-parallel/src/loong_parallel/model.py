@@ -38,6 +38,9 @@ def build_model_chunks(
         finish = getattr(unwrap(chunk), "finish_build", None)  # (the decoupled encoder layout)
         if finish is not None:
             finish()
+    if pcfg.wgrad_fusion:
+        for chunk in chunks:
+            fuse_wgrad_accumulation(chunk)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=pcfg.grad_reduce_in_fp32,
         overlap_grad_reduce=pcfg.overlap_grad_reduce,
@@ -61,6 +64,20 @@ def build_model_chunks(
         param_sync = [c.start_param_sync for c in wrapped]
         config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
     return wrapped
+
+
+def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
+    """Switch the model's TE linears to accumulate wgrad into ``main_grad`` (parallel.wgrad_fusion).
+    TE reads the flag at each forward; megatron's config flag would also switch its own output
+    layer, which needs apex for it. Returns the number of modules switched."""
+    switched = 0
+    for module in model.modules():
+        if hasattr(module, "fuse_wgrad_accumulation") and hasattr(module, "will_execute_quantized"):
+            module.fuse_wgrad_accumulation = True
+            switched += 1
+    if not switched:
+        raise ValueError("parallel.wgrad_fusion=true but the model has no TE linears (model.layer_backend=te)")
+    return switched
 
 
 def _stages_in_order(pcfg: ParallelConfig, config: TransformerConfig) -> bool:

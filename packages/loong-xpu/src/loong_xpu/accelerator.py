@@ -182,6 +182,15 @@ class Accelerator(abc.ABC):
                 f"{key}: the {self.name!r} accelerator does not support {feature!r} (its features: {has})"
             )
 
+    def fp8_recipes(self) -> frozenset[str]:
+        """The FP8 scaling recipes (megatron's fp8_recipe names) the current device runs; empty
+        without FP8 GEMMs."""
+        return frozenset()
+
+    def device_name(self) -> str:
+        """The current device's model name (what a measured policy or benchmark is tied to)."""
+        return self.name
+
     @abc.abstractmethod
     def memory_stats(self) -> MemoryStats: ...
 

@@ -10,6 +10,7 @@ from loong_models.choices import Recompute
 from loong_models.foundation.families import FAMILIES, Family, FamilyName, get_family
 from loong_models.foundation.mla import MLAConfig, SparseAttentionConfig
 from loong_models.foundation.moe import MoEConfig
+from loong_models.precision.config import PrecisionConfig
 
 
 class RecomputeModule(StrEnum):
@@ -113,6 +114,8 @@ class FoundationConfig:
     mtp_num_layers: int | None = None
     # The MTP losses' weight (their mean over the layers) added to the LM loss.
     mtp_loss_scaling_factor: float = 0.1
+    # FP8 of the TE linears: off | on | adaptive (per GEMM kind, from a measured policy file)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     extra: dict = field(default_factory=dict)  # family-specific knobs, passed to TransformerConfig
 
     @property
@@ -160,6 +163,21 @@ class FoundationConfig:
             self._validate_embedding_init(prefix)
         if self.rope_scaling is not None:
             self._validate_rope_scaling(prefix)
+        self.precision.validate(f"{prefix}.precision")
+
+    def gemm_kinds(self) -> list[str]:
+        """The GEMM kinds of this model's layers (loong_models.precision.GEMM_KINDS' names)."""
+        if self.mla is None:
+            attn = ["qkv", "proj"]
+        else:
+            attn = ["q_down_proj", "q_up_proj"] if self.mla.q_lora_rank else ["q_proj"]
+            attn += ["kv_down_proj", "kv_up_proj", "proj"]
+        moe, dense = self.moe, ["fc1", "fc2"]
+        if moe is None:
+            return attn + dense
+        mlp = dense if moe.moe_layers(self.num_layers) < self.num_layers else []
+        mlp += ["expert_fc1", "expert_fc2"]
+        return attn + mlp + (["shared_fc1", "shared_fc2"] if moe.shared_expert_intermediate_size else [])
 
     def _validate_rope_scaling(self, prefix: str) -> None:
         rs = self.rope_scaling

@@ -17,6 +17,15 @@ _PEAK_FLOPS = {
     "L40S": {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 91.6e12},
 }
 
+# FP8 recipes by the first compute capability that runs them: FP8 tensor cores from Ada (sm_89);
+# TE's block-scaled FP8 from Hopper (sm_90); MXFP8's E8M0 block scales from Blackwell (sm_100).
+_FP8_RECIPES = ((("delayed", "tensorwise"), (8, 9)), (("blockwise",), (9, 0)), (("mxfp8",), (10, 0)))
+
+
+def fp8_recipes_for(capability: tuple[int, int]) -> frozenset[str]:
+    """The FP8 recipes a GPU of this compute capability runs (H100 / H200: (9, 0))."""
+    return frozenset(r for recipes, first in _FP8_RECIPES if tuple(capability) >= first for r in recipes)
+
 
 class CudaAccelerator(Accelerator):
     name = "cuda"
@@ -51,6 +60,12 @@ class CudaAccelerator(Accelerator):
 
     def manual_seed(self, seed: int) -> None:
         torch.cuda.manual_seed(seed)
+
+    def fp8_recipes(self) -> frozenset[str]:
+        return fp8_recipes_for(torch.cuda.get_device_capability())
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name()
 
     def memory_stats(self) -> MemoryStats:
         return MemoryStats(
