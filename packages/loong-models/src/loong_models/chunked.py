@@ -71,7 +71,8 @@ class ChunkState:
         per-token memory ChunkPipe holds: keys, values and their gradients)."""
         if self.cache[layer] is None:
             shape = (len(self.positions), *like.shape[1:])
-            self.cache[layer] = _LayerCache(*(torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(4)))
+            buffers = (torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(4))
+            self.cache[layer] = _LayerCache(*buffers)
         return self.cache[layer]
 
     def cache_bytes(self) -> int:
@@ -109,7 +110,7 @@ class ChunkedAttention(torch.nn.Module):
     fewer queries than keys (TE's, the fused kernels the unchunked run uses); otherwise torch's
     scaled-dot-product attention."""
 
-    def __init__(self, layer: int, state: ChunkState, softmax_scale: float, fused: torch.nn.Module | None = None):
+    def __init__(self, layer: int, state: ChunkState, softmax_scale: float, fused: torch.nn.Module | None):
         super().__init__()
         self.layer, self.state, self.softmax_scale = layer, state, softmax_scale
         self.fused = fused
@@ -136,7 +137,8 @@ class ChunkedAttention(torch.nn.Module):
         """The same with torch's attention: bottom-right aligned causal (the last query sees
         every key); on CUDA as a mask the fused kernels take without materialising it."""
         st = self.state
-        qs = q[max(st.start, lo) - st.start : hi - st.start].permute(1, 2, 0, 3)  # [s, b, h, d] -> [b, h, s, d]
+        # [s, b, h, d] -> [b, h, s, d]
+        qs = q[max(st.start, lo) - st.start : hi - st.start].permute(1, 2, 0, 3)
         ks, vs = (x[lo:hi].permute(1, 2, 0, 3) for x in (k, v))
         sq, sk = qs.shape[2], ks.shape[2]
         if qs.is_cuda:
@@ -154,11 +156,18 @@ def _decoder_layers(model: torch.nn.Module) -> list:
 
 
 def _chunk_rope(rotary, state: ChunkState):
+    """RoPE of the current chunk's positions: per segment piece, the table of just its position
+    range (megatron's ``offset``), so no table grows with the sample."""
     original = rotary.forward
 
     def forward(max_seq_len: int, *args, **kwargs) -> torch.Tensor:
-        table = original(int(state.positions.max()) + 1)  # [max_pos + 1, 1, 1, dim]
-        return table[state.positions[state.start : state.end].to(table.device)]
+        parts = []
+        for lo, hi in state.segments_in_chunk():
+            pos = state.positions[max(state.start, lo) : hi]
+            first, last = int(pos.min()), int(pos.max())
+            table = original(last - first + 1, offset=first)  # [n, 1, 1, dim]
+            parts.append(table[(pos - first).to(table.device)])
+        return torch.cat(parts)
 
     return forward
 
