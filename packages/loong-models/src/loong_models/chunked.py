@@ -1,7 +1,7 @@
 """ChunkPipe, the model side: a GPT model that runs one long sample chunk by chunk.
 
-:func:`enable_chunkpipe` swaps every decoder layer's core attention for :class:`ChunkedAttention`
-and makes the model's RoPE read the positions of the current chunk (applied from outside, like
+:func:`enable_chunkpipe` routes every decoder layer's core attention through
+:class:`ChunkedAttention` and makes the model's RoPE read the positions of the current chunk (applied from outside, like
 LoRA: the layer specs stay as built). A :class:`ChunkState` holds, per layer, the keys / values of
 the sample, written chunk by chunk: a chunk attends to those of earlier chunks plus its own (bottom-right
 causal alignment: query ``i`` of the chunk sits at sample index ``start + i``), and backward
@@ -20,6 +20,7 @@ models (Llama, Qwen); MLA computes RoPE inside its attention and is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -103,19 +104,20 @@ class _CacheWindow(torch.autograd.Function):
         return grad[a:b] + acc[a:b], None, None, None, None, None
 
 
-class ChunkedAttention(torch.nn.Module):
-    """Core attention of one layer over [cached keys/values of earlier chunks; this chunk].
+class ChunkedAttention:
+    """The forward of one layer's core attention over [cached keys/values of earlier chunks;
+    this chunk]. It replaces the core attention module's ``forward`` and keeps the module in
+    place, so parameters, extra state and checkpoint keys are those of the unchunked model.
 
-    ``fused``: the layer's own core attention when it takes a bottom-right causal mask with
-    fewer queries than keys (TE's, the fused kernels the unchunked run uses); otherwise torch's
+    ``fused``: the module's own forward when it takes a bottom-right causal mask with fewer
+    queries than keys (TE's: the fused kernels of the unchunked run); otherwise torch's
     scaled-dot-product attention."""
 
-    def __init__(self, layer: int, state: ChunkState, softmax_scale: float, fused: torch.nn.Module | None):
-        super().__init__()
+    def __init__(self, layer: int, state: ChunkState, softmax_scale: float, fused: Callable | None):
         self.layer, self.state, self.softmax_scale = layer, state, softmax_scale
         self.fused = fused
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+    def __call__(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:  # fmt: skip
         if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
             raise ValueError("ChunkPipe attention takes causal chunks of one sample (no mask, bias or THD params)")
@@ -203,14 +205,16 @@ def enable_chunkpipe(model: torch.nn.Module, fused_attention: bool = True) -> Ch
     state = ChunkState(num_layers=len(layers))
     for i, layer in enumerate(layers):
         core = layer.self_attention.core_attention
+        if isinstance(core.forward, ChunkedAttention):
+            raise ValueError("ChunkPipe is already enabled on this model")
         mask = getattr(core, "attn_mask_type", AttnMaskType.causal)
         if getattr(mask, "name", mask) != "causal":  # megatron's enum (local) or TE's string ("causal")
             raise ValueError(f"ChunkPipe needs causal attention (layer {i} has {getattr(mask, 'name', mask)!r})")
         scale = getattr(core, "softmax_scale", None) or getattr(cfg, "softmax_scale", None)
         if scale is None:
             scale = cfg.kv_channels**-0.5
-        fused = core if fused_attention and _takes_mask_type(core) else None
-        layer.self_attention.core_attention = ChunkedAttention(i, state, scale, fused)
+        fused = core.forward if fused_attention and _takes_mask_type(core) else None
+        core.forward = ChunkedAttention(i, state, scale, fused)
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.forward = _chunk_rope(model.rotary_pos_emb, state)
     return state
