@@ -23,6 +23,7 @@ is invisible to the gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -128,20 +129,21 @@ class _Stage:
         if not self.last:
             dist.send(out.detach().contiguous(), mpu.get_pipeline_model_parallel_next_rank())
 
-    def backward(self, chunk: int, out: torch.Tensor) -> None:
-        """Backward of one chunk from the loss (last stage) or the next stage's gradient (the
-        gradient later chunks sent to this chunk's keys / values joins inside the attention's
-        backward); then the input's gradient goes to the previous stage."""
+    def backward(self, chunk: int, out: torch.Tensor, grad_scale: Callable | None) -> None:
+        """Backward of one chunk from the loss (scaled by the optimizer's ``grad_scale``, as
+        megatron's schedules do; last stage) or the next stage's gradient (the gradient later
+        chunks sent to this chunk's keys / values joins inside the attention's backward); then
+        the input's gradient goes to the previous stage."""
         if self.last:
-            out.backward()
+            (grad_scale(out) if grad_scale is not None else out).backward()
         else:
             out.backward(self._recv(out.shape[0], mpu.get_pipeline_model_parallel_next_rank()))
         if not self.first:
             dist.send(self.inputs.pop(chunk).grad.contiguous(), mpu.get_pipeline_model_parallel_prev_rank())
 
 
-def chunkpipe_forward_backward(model, state: ChunkState, batch: dict, chunk_size: int,
-                               device: torch.device) -> ChunkPipeResult:  # fmt: skip
+def chunkpipe_forward_backward(model, state: ChunkState, batch: dict, chunk_size: int, device: torch.device,
+                               grad_scale: Callable | None = None) -> ChunkPipeResult:  # fmt: skip
     """Forward and backward of one sample (``[1, S]`` tokens, labels, loss_mask, position_ids;
     ``cu_seqlens`` for a packed sample) in chunks of ``chunk_size`` tokens on this pipeline
     stage (every stage of the pipeline calls it for the same sample). Gradients accumulate into
@@ -166,15 +168,38 @@ def chunkpipe_forward_backward(model, state: ChunkState, batch: dict, chunk_size
         out = stage.forward(last, *bounds[last])
         stage.send_output(out)
         total += float(out.detach()) if stage.last else 0.0
-        stage.backward(last, out)
+        stage.backward(last, out, grad_scale)
         for j in reversed(range(last)):
             current = _rng_states()
             _set_rng_states(rng[j])  # recompute replays the forward's dropout
             state.begin_chunk(j, *bounds[j], build_cache=False)
             out = stage.forward(j, *bounds[j])
             total += float(out.detach()) if stage.last else 0.0
-            stage.backward(j, out)
+            stage.backward(j, out, grad_scale)
             _set_rng_states(current)
+    finally:
+        state.end_sample()
+    return ChunkPipeResult(total, int(stage.fields["loss_mask"].sum()))
+
+
+@torch.no_grad()
+def chunkpipe_forward(model, state: ChunkState, batch: dict, chunk_size: int, device: torch.device,
+                      grad_scale: Callable | None = None) -> ChunkPipeResult:  # fmt: skip
+    """The loss of one sample chunk by chunk, without gradients (evaluation): each chunk once,
+    in order, attending to the cache of the earlier ones. ``grad_scale`` is unused (one
+    signature with :func:`chunkpipe_forward_backward`)."""
+    del grad_scale
+    stage = _Stage(model, batch, device)
+    seq_len = stage.fields["tokens"].shape[1]
+    state.begin_sample(stage.fields["position_ids"][0], sample_boundaries(batch, seq_len))
+    total = 0.0
+    try:
+        for j, (a, b) in enumerate(chunk_bounds(seq_len, chunk_size)):
+            state.begin_chunk(j, a, b, build_cache=True)
+            stage.receive_input(j, a, b)
+            out = stage.forward(j, a, b)
+            stage.send_output(out)
+            total += float(out) if stage.last else 0.0
     finally:
         state.end_sample()
     return ChunkPipeResult(total, int(stage.fields["loss_mask"].sum()))

@@ -82,15 +82,18 @@ def train_step(
     micro_batch_size: int,
     device: torch.device,
     synchronize: Callable[[], None] | None = None,
+    forward_backward_func: Callable | None = None,
 ) -> StepResult:
     """One optimizer step. With ``synchronize`` (the accelerator's), also measures
-    :attr:`StepResult.compute_s`, the input of DP load balancing's online cost fit."""
+    :attr:`StepResult.compute_s`, the input of DP load balancing's online cost fit.
+    ``forward_backward_func``: the schedule (default: megatron's for the layout; ChunkPipe's
+    from :func:`loong_parallel.chunkpipe_schedule.chunkpipe_schedule`)."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     timing: dict[str, float] = {}
     with _time_until_grad_sync(chunks, synchronize, timing) if synchronize else _no_timing():
-        outputs = get_forward_backward_func()(
+        outputs = (forward_backward_func or get_forward_backward_func())(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
             model=chunks,
@@ -139,12 +142,13 @@ def eval_step(
     seq_length: int,
     micro_batch_size: int,
     device: torch.device,
+    forward_backward_func: Callable | None = None,
 ) -> tuple[float, int]:
     """Mean loss over ``num_microbatches`` micro-batches per DP rank, without updating."""
     for chunk in chunks:
         chunk.eval()
     try:
-        outputs = get_forward_backward_func()(
+        outputs = (forward_backward_func or get_forward_backward_func())(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
             model=chunks,
