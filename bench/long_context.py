@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, short lengths")
     p.add_argument("--mode", choices=["base", "chunkpipe"], help="probe: which run")
     p.add_argument("--probe-seq", type=int, help="probe: the length")
+    p.add_argument("--chunk-attention", choices=["fused", "sdpa"], default="fused",
+                   help="ChunkPipe attention: the layers' own (TE: the fused kernels of the base run) or torch SDPA")  # fmt: skip
     args = p.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():
@@ -99,7 +101,7 @@ def corpus_tokens(n: int) -> list[int]:
 
 def probe_command(args, mode: str, seq: int) -> list[str]:
     keep = ["--model", args.model, "--chunk", str(args.chunk), "--steps", str(args.steps),
-            "--warmup", str(args.warmup)] + (["--layers", str(args.layers)] if args.layers else [])  # fmt: skip
+            "--warmup", str(args.warmup), "--chunk-attention", args.chunk_attention] + (["--layers", str(args.layers)] if args.layers else [])  # fmt: skip
     return [sys.executable, __file__, "probe", "--mode", mode, "--probe-seq", str(seq), *keep]
 
 
@@ -181,7 +183,7 @@ def probe(args) -> None:
         ids = torch.tensor(corpus_tokens(seq + 1), device=device)[None]
         batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": torch.ones(1, seq, device=device),
                  "position_ids": torch.arange(seq, device=device)[None]}  # fmt: skip
-        state = enable_chunkpipe(model) if chunked else None
+        state = enable_chunkpipe(model, fused_attention=args.chunk_attention == "fused") if chunked else None
         times, loss = [], 0.0
         for _ in range(args.warmup + args.steps):
             model.zero_grad(set_to_none=True)
@@ -197,6 +199,7 @@ def probe(args) -> None:
             times.append(time.perf_counter() - t0)
         peak = accel.memory_stats().peak_allocated / 2**30
         print(json.dumps({"mode": args.mode, "seq": seq, "loss": loss / seq, "peak_gib": peak,
+                          "chunk_attention": args.chunk_attention if chunked else None,
                           "tokens_per_s": seq / statistics.median(times[args.warmup:])}))  # fmt: skip
         shutdown()
 

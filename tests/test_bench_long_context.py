@@ -20,6 +20,7 @@ _spec.loader.exec_module(bench)
 def test_defaults_are_the_issue_shape():
     args = bench.parse_args(["chunkpipe"])
     assert (args.model, args.chunk, args.throughput_seq) == ("llama3.2-1b", 8192, 32768)
+    assert args.chunk_attention == "fused"  # the layers' own attention (TE on the GPU)
     with pytest.raises(SystemExit):
         bench.parse_args(["cp", "--gpus", "4", "--seq", "1004"])
 

@@ -1,12 +1,16 @@
 """ChunkPipe (PP = 1) against the unchunked run of the same sample, in fp32 on the CPU: the loss
 and every parameter's gradient agree to 1e-5, for a plain and a packed (several documents) sample,
-with chunk boundaries that fall inside documents; and a chunk's attention equals the matching
-rows of full causal attention (RoPE offset, bottom-right alignment)."""
+with chunk boundaries that fall inside documents; a chunk's attention equals the matching rows
+of full causal attention (RoPE offset, bottom-right alignment); and what a step holds per token
+of the sample is its key/value cache."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from loong_models import build_model, build_transformer_config, load_model_config
 from loong_models.chunked import enable_chunkpipe
@@ -28,15 +32,15 @@ def _tiny_model(**overrides):
     return build_model(cfg, tconfig, device_type="cpu"), cfg.foundation.vocab_size
 
 
-def _sample(vocab: int, doc_lengths: list[int] | None):
+def _sample(vocab: int, doc_lengths: list[int] | None, seq: int = SEQ):
     g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(2, vocab, (1, SEQ + 1), generator=g)
-    loss_mask = (torch.rand(1, SEQ, generator=g) > 0.2).float()
+    tokens = torch.randint(2, vocab, (1, seq + 1), generator=g)
+    loss_mask = (torch.rand(1, seq, generator=g) > 0.2).float()
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask}
     if doc_lengths is None:
-        batch["position_ids"] = torch.arange(SEQ)[None]
+        batch["position_ids"] = torch.arange(seq)[None]
     else:
-        assert sum(doc_lengths) == SEQ
+        assert sum(doc_lengths) == seq
         batch["position_ids"] = torch.cat([torch.arange(n) for n in doc_lengths])[None]
         batch["cu_seqlens"] = torch.tensor([0, *torch.tensor(doc_lengths).cumsum(0).tolist()], dtype=torch.int32)
     return batch
@@ -95,6 +99,15 @@ def test_models_chunkpipe_cannot_run_are_refused(megatron_cpu):
         enable_chunkpipe(build_model(cfg, tconfig, device_type="cpu"))
 
 
+def test_enabling_keeps_the_state_dict_keys_and_cannot_be_done_twice(megatron_cpu):
+    model, _ = _tiny_model()
+    keys = list(model.state_dict())
+    enable_chunkpipe(model)
+    assert list(model.state_dict()) == keys  # checkpoints of chunked and unchunked runs are alike
+    with pytest.raises(ValueError, match="already enabled"):
+        enable_chunkpipe(model)
+
+
 def test_the_attention_mask_type_is_read_as_megatron_or_te_spells_it(megatron_cpu):
     """TE's core attention keeps its mask type as a string ("causal"), megatron's local one as an
     enum: both are causal; anything else is refused naming the layer."""
@@ -106,3 +119,45 @@ def test_the_attention_mask_type_is_read_as_megatron_or_te_spells_it(megatron_cp
     other.decoder.layers[0].self_attention.core_attention.attn_mask_type = "padding"
     with pytest.raises(ValueError, match="ChunkPipe needs causal attention \\(layer 0 has 'padding'\\)"):
         enable_chunkpipe(other)
+
+
+class _PeakTensorBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages that ops create while the mode is on (storages made
+    before, such as the parameters, are not counted): the CPU stand-in for the allocator's peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.now -= self.live.pop(key)[1]
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.live:
+                storage = t.untyped_storage()
+                self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+                self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+def test_memory_beyond_the_key_value_cache_does_not_grow_with_the_sample(megatron_cpu):
+    """Peak tensor bytes of a ChunkPipe step at two sample lengths, same chunk: each extra token
+    costs its keys, values and their gradients (4 x layers x groups x head_dim fp32 values) and
+    at most 15% more (the CPU attention's [chunk, keys] mask, the batch's own per-token fields);
+    nothing else of the sample (QKV projections, concatenated K/V, RoPE tables) stays alive."""
+    model, vocab = _tiny_model()
+    state = enable_chunkpipe(model)
+    cfg = model.config
+    kv_bytes = 4 * cfg.num_layers * cfg.num_query_groups * cfg.kv_channels * 4
+    peaks = {}
+    for seq in (96, 224):
+        batch = _sample(vocab, None, seq)
+        model.zero_grad(set_to_none=True)
+        with _PeakTensorBytes() as mode:
+            chunkpipe_forward_backward(model, state, batch, 32, torch.device("cpu"))
+        peaks[seq] = mode.peak
+    per_token = (peaks[224] - peaks[96]) / 128
+    assert kv_bytes <= per_token <= 1.15 * kv_bytes, (per_token, kv_bytes)

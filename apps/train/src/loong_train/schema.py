@@ -125,7 +125,26 @@ def _cross_package_errors(cfg: Config) -> list[str]:
         errors.append(f"data.kind={d.kind} with model.diffusion={'set' if cfg.model.is_diffusion else 'null'}: a "
                       "diffusion model (e.g. model=wan-tiny) trains on data.kind=diffusion, and only it does")  # fmt: skip
     return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
-            + _context_parallel_errors(cfg))
+            + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg))
+
+
+def _chunkpipe_errors(cfg: Config) -> list[str]:
+    """What ChunkPipe (parallel.chunkpipe.chunk_size) cannot run with, beyond the layout's rules
+    (loong_parallel.ParallelConfig): it takes one sample per micro-batch of a GQA / MHA language
+    model and recomputes the chunks itself."""
+    if cfg.parallel.chunkpipe.chunk_size is None:
+        return []
+    f, d = cfg.model.foundation, cfg.data
+    cannot = {
+        f"train.micro_batch_size={cfg.train.micro_batch_size} (it needs 1: one sample or pack per micro-batch)":
+            cfg.train.micro_batch_size != 1,
+        "model.foundation.mla (multi-latent attention)": f.mla is not None,
+        "model.foundation.mtp_num_layers (multi-token prediction)": bool(f.mtp_num_layers),
+        f"model.foundation.recompute={f.recompute} (ChunkPipe recomputes every chunk but the last itself)":
+            f.recompute is not None,
+        f"data.kind={d.kind} (ChunkPipe runs language models on token data)": d.kind not in ("text", "chat"),
+    }  # fmt: skip
+    return [f"parallel.chunkpipe cannot combine with {what}" for what, present in cannot.items() if present]
 
 
 def _context_parallel_errors(cfg: Config) -> list[str]:

@@ -34,6 +34,7 @@ from loong_parallel import (
     build_balancer,
     build_model_chunks,
     build_optimizer,
+    chunkpipe_schedule,
     data_parallel,
     eval_step,
     init_distributed,
@@ -137,6 +138,12 @@ class Trainer:
             self.chunks = build_model_chunks(provider, p, self.tconfig, self.accel)
         except ValueError as e:  # the layout, backend or LoRA targets do not fit the model
             raise ConfigError(str(e)) from None
+        self.schedule = None  # megatron's pipeline schedules for the layout
+        if p.chunkpipe.chunk_size is not None:
+            try:  # the model's attention must be chunkable (GQA / MHA with RoPE)
+                self.schedule = chunkpipe_schedule(self.chunks, p.chunkpipe.chunk_size, self.device)
+            except ValueError as e:
+                raise ConfigError(f"parallel.chunkpipe: {e}") from None
         trainable = sum(q.numel() for c in self.chunks for q in c.parameters() if q.requires_grad)
         total = torch.tensor([trainable], device=self.device)
         dist.all_reduce(total)
@@ -208,7 +215,8 @@ class Trainer:
         mbs = next(self.batches)
         sync = self.accel.synchronize if self.balancer else None  # the balancer learns from compute times
         result = train_step(self.forward_step, microbatch_iterators(mbs, len(self.chunks)), self.chunks, self.optimizer,
-                            self.scheduler, device=self.device, synchronize=sync, **schedule_shape(mbs))  # fmt: skip
+                            self.scheduler, device=self.device, synchronize=sync, forward_backward_func=self.schedule,
+                            **schedule_shape(mbs))  # fmt: skip
         if self.balancer:
             self.balancer.observe(mbs, result.compute_s)
         self.accel.synchronize()
@@ -221,7 +229,7 @@ class Trainer:
         """Mean loss over the held-out micro-batches (the same every time)."""
         mbs = self.data.eval_microbatches()
         loss, _ = eval_step(self.forward_step, microbatch_iterators(mbs, len(self.chunks)), self.chunks,
-                            device=self.device, **schedule_shape(mbs))  # fmt: skip
+                            device=self.device, forward_backward_func=self.schedule, **schedule_shape(mbs))  # fmt: skip
         self.metrics.write({"step": step, "split": "val", "loss": loss})
         return loss
 
@@ -296,6 +304,7 @@ class Trainer:
         t, p = self.cfg.train, self.cfg.parallel
         moe = self.cfg.model.foundation.moe
         experts = f" | experts: ep {p.ep} x etp {p.expert_tp}" if moe else ""
+        experts += f" | ChunkPipe: chunks of {p.chunkpipe.chunk_size} tokens" if p.chunkpipe.chunk_size else ""
         logger.info(
             "model %s | %s | dtype %s | layers: %s | world %d = tp %d x pp %d x dp %d%s | global batch %d x seq %d, "
             "%d micro-batches/step | trainable params (rank 0): %.3fM",

@@ -1,13 +1,17 @@
 """ChunkPipe, the model side: a GPT model that runs one long sample chunk by chunk.
 
-:func:`enable_chunkpipe` swaps every decoder layer's core attention for :class:`ChunkedAttention`
-and makes the model's RoPE read the positions of the current chunk (applied from outside, like
+:func:`enable_chunkpipe` routes every decoder layer's core attention through
+:class:`ChunkedAttention` and makes the model's RoPE read the positions of the current chunk (applied from outside, like
 LoRA: the layer specs stay as built). A :class:`ChunkState` holds, per layer, the keys / values of
-the sample's earlier chunks as leaf tensors: a chunk attends to those plus its own (bottom-right
+the sample, written chunk by chunk: a chunk attends to those of earlier chunks plus its own (bottom-right
 causal alignment: query ``i`` of the chunk sits at sample index ``start + i``), and backward
-accumulates into the leaves' ``.grad`` the gradient that later chunks send to earlier chunks' keys
-and values. The schedule (loong-parallel's :mod:`loong_parallel.chunkpipe`) runs backward in
-reverse chunk order and feeds those gradients back in as extra roots.
+accumulates in a gradient buffer what later chunks send to earlier chunks' keys and values; the
+schedule (loong-parallel's :mod:`loong_parallel.chunkpipe`) runs backward in reverse chunk order,
+so a chunk's keys / values receive that sum within its own backward.
+
+Memory: per layer, one ``[S, b, groups, head_dim]`` buffer each for keys, values and their two
+gradients, allocated once per sample; a chunk's attention reads a view of it (no concatenation,
+and nothing else of the chunk, e.g. the fused QKV projection a value is a view of, stays alive).
 
 Packed (THD) samples: a query sees a key only within its own segment (``boundaries``), and RoPE
 positions restart per segment, across chunk boundaries too. Supported: rotary-embedding GQA / MHA
@@ -16,6 +20,7 @@ models (Llama, Qwen); MLA computes RoPE inside its attention and is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,9 +30,20 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass
+class _LayerCache:
+    """One layer's keys and values of the whole sample (written chunk by chunk) and the
+    gradient that later chunks sent to them (``[S, b, groups, head_dim]`` each)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_grads: torch.Tensor
+    value_grads: torch.Tensor
+
+
+@dataclass
 class ChunkState:
     """The sample being run: its per-token RoPE positions and segments, the current chunk, and
-    the key/value cache of earlier chunks (one list of (key, value) leaves per layer)."""
+    per layer the key/value cache of the whole sample with its gradient accumulators."""
 
     num_layers: int
     positions: torch.Tensor | None = None  # [S] RoPE position of every token of the sample
@@ -35,13 +51,12 @@ class ChunkState:
     chunk: int = 0  # index of the current chunk in the sample
     start: int = 0  # sample index of the current chunk's first token
     end: int = 0
-    build_cache: bool = True  # first pass: append this chunk's keys/values to the cache
-    cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
-    live_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # this pass's (k, v)
+    build_cache: bool = True  # first pass: write this chunk's keys/values into the cache
+    cache: list[_LayerCache | None] = field(default_factory=list)
 
     def begin_sample(self, positions: torch.Tensor, boundaries: list[int]) -> None:
         self.positions, self.boundaries = positions, boundaries
-        self.cache = [[] for _ in range(self.num_layers)]
+        self.cache = [None] * self.num_layers
 
     def segments_in_chunk(self) -> list[tuple[int, int]]:
         """(segment start, end of the segment's part up to this chunk's end) for every segment
@@ -51,51 +66,91 @@ class ChunkState:
 
     def begin_chunk(self, chunk: int, start: int, end: int, *, build_cache: bool) -> None:
         self.chunk, self.start, self.end, self.build_cache = chunk, start, end, build_cache
-        self.live_kv = []
 
-    def cached_kv_grads(self, chunk: int) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """Per layer: the gradient later chunks sent to this chunk's cached keys / values."""
-        return [(k.grad, v.grad) for k, v in (layer[chunk] for layer in self.cache)]
+    def layer_cache(self, layer: int, like: torch.Tensor) -> _LayerCache:
+        """The layer's cache, allocated on its first chunk for the sample's length (the only
+        per-token memory ChunkPipe holds: keys, values and their gradients)."""
+        if self.cache[layer] is None:
+            shape = (len(self.positions), *like.shape[1:])
+            buffers = (torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(4))
+            self.cache[layer] = _LayerCache(*buffers)
+        return self.cache[layer]
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.cache if c for t in vars(c).values())
 
     def end_sample(self) -> None:
-        self.cache, self.live_kv, self.positions, self.boundaries = [], [], None, []
+        self.cache, self.positions, self.boundaries = [], None, []
 
 
-class ChunkedAttention(torch.nn.Module):
-    """Core attention of one layer over [cached keys/values of earlier chunks; this chunk]."""
+class _CacheWindow(torch.autograd.Function):
+    """Keys (or values) ``[0, end)`` of the sample as one tensor: a view of the layer's cache,
+    into which the first pass writes this chunk's rows (no concatenation, nothing copied per
+    chunk). Backward splits the window's gradient: rows of earlier chunks accumulate in the
+    cache's gradient buffer (their chunks run backward later, in reverse order), and this
+    chunk's rows get, on top of their own, what later chunks accumulated for them."""
 
-    def __init__(self, layer: int, state: ChunkState, softmax_scale: float):
-        super().__init__()
+    @staticmethod
+    def forward(ctx, live, cache, grads, start: int, end: int, write: bool):
+        if write:
+            cache[start:end].copy_(live)
+        ctx.grads, ctx.start, ctx.end = grads, start, end
+        return cache[:end]
+
+    @staticmethod
+    def backward(ctx, grad):
+        acc, a, b = ctx.grads, ctx.start, ctx.end
+        acc[:a] += grad[:a]
+        return grad[a:b] + acc[a:b], None, None, None, None, None
+
+
+class ChunkedAttention:
+    """The forward of one layer's core attention over [cached keys/values of earlier chunks;
+    this chunk]. It replaces the core attention module's ``forward`` and keeps the module in
+    place, so parameters, extra state and checkpoint keys are those of the unchunked model.
+
+    ``fused``: the module's own forward when it takes a bottom-right causal mask with fewer
+    queries than keys (TE's: the fused kernels of the unchunked run); otherwise torch's
+    scaled-dot-product attention."""
+
+    def __init__(self, layer: int, state: ChunkState, softmax_scale: float, fused: Callable | None):
         self.layer, self.state, self.softmax_scale = layer, state, softmax_scale
+        self.fused = fused
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+    def __call__(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None) -> torch.Tensor:  # fmt: skip
         if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
             raise ValueError("ChunkPipe attention takes causal chunks of one sample (no mask, bias or THD params)")
         st = self.state
-        cache = st.cache[self.layer]
-        st.live_kv.append((key, value))
-        keys = torch.cat([k for k, _ in cache[: st.chunk]] + [key])
-        values = torch.cat([v for _, v in cache[: st.chunk]] + [value])
-        if st.build_cache:
-            cache.append((key.detach().requires_grad_(), value.detach().requires_grad_()))
-        # [s, 1, h, d] -> [1, h, s, d]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, keys, values))
-        out = torch.cat([self._segment(q, k, v, lo, hi) for lo, hi in st.segments_in_chunk()], dim=2)
-        s, b, h, d = query.shape[0], out.shape[0], out.shape[1], out.shape[3]
-        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+        c = st.layer_cache(self.layer, key)
+        window = (st.start, st.end, st.build_cache)
+        keys = _CacheWindow.apply(key, c.keys, c.key_grads, *window)
+        values = _CacheWindow.apply(value, c.values, c.value_grads, *window)
+        attend = self._fused_segment if self.fused is not None else self._segment
+        return torch.cat([attend(query, keys, values, lo, hi) for lo, hi in st.segments_in_chunk()])
+
+    def _fused_segment(self, q, k, v, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[max(start, lo), hi)`` of the chunk (``[s, b, h, d]``) against the segment's
+        keys ``[lo, hi)``, bottom-right aligned causal: ``[s, b, h * d]``."""
+        rows = slice(max(self.state.start, lo) - self.state.start, hi - self.state.start)
+        return self.fused(q[rows], k[lo:hi], v[lo:hi], None, attn_mask_type=AttnMaskType.causal_bottom_right)
 
     def _segment(self, q, k, v, lo: int, hi: int) -> torch.Tensor:
-        """Chunk rows ``[max(start, lo), hi)`` of the segment starting at sample index ``lo``
-        against its keys ``[lo, hi)``: bottom-right aligned causal attention (the last query
-        sees every key), which fused kernels take without a materialised mask."""
+        """The same with torch's attention: bottom-right aligned causal (the last query sees
+        every key); on CUDA as a mask the fused kernels take without materialising it."""
         st = self.state
-        first = max(st.start, lo)
-        qs = q[:, :, first - st.start : hi - st.start]
-        ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
-        mask = causal_lower_right(qs.shape[2], ks.shape[2])
-        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.softmax_scale,
-                                              enable_gqa=ks.shape[1] != qs.shape[1])  # fmt: skip
+        # [s, b, h, d] -> [b, h, s, d]
+        qs = q[max(st.start, lo) - st.start : hi - st.start].permute(1, 2, 0, 3)
+        ks, vs = (x[lo:hi].permute(1, 2, 0, 3) for x in (k, v))
+        sq, sk = qs.shape[2], ks.shape[2]
+        if qs.is_cuda:
+            mask = causal_lower_right(sq, sk)
+        else:  # what CausalBias does off CUDA, spelt out (its tensor subclass trips dispatch modes)
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=qs.device).tril(sk - sq)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.softmax_scale,
+                                             enable_gqa=ks.shape[1] != qs.shape[1])  # fmt: skip
+        b, h, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list:
@@ -103,18 +158,35 @@ def _decoder_layers(model: torch.nn.Module) -> list:
 
 
 def _chunk_rope(rotary, state: ChunkState):
+    """RoPE of the current chunk's positions: per segment piece, the table of just its position
+    range (megatron's ``offset``), so no table grows with the sample."""
     original = rotary.forward
 
     def forward(max_seq_len: int, *args, **kwargs) -> torch.Tensor:
-        table = original(int(state.positions.max()) + 1)  # [max_pos + 1, 1, 1, dim]
-        return table[state.positions[state.start : state.end].to(table.device)]
+        parts = []
+        for lo, hi in state.segments_in_chunk():
+            pos = state.positions[max(state.start, lo) : hi]
+            first, last = int(pos.min()), int(pos.max())
+            table = original(last - first + 1, offset=first)  # [n, 1, 1, dim]
+            parts.append(table[(pos - first).to(table.device)])
+        return torch.cat(parts)
 
     return forward
 
 
-def enable_chunkpipe(model: torch.nn.Module) -> ChunkState:
+def _takes_mask_type(core: torch.nn.Module) -> bool:
+    """Megatron's TE core attention passes the mask type through to TE at call time (its
+    ``te_forward_mask_type``); the local one fixes it at construction."""
+    return bool(getattr(core, "te_forward_mask_type", False))
+
+
+def enable_chunkpipe(model: torch.nn.Module, fused_attention: bool = True) -> ChunkState:
     """Make ``model`` (a GPT model, unwrapped) run chunk by chunk; returns the state the
-    schedule drives. Refuses models whose attention cannot be chunked this way."""
+    schedule drives. Refuses models whose attention cannot be chunked this way.
+
+    ``fused_attention``: keep the layers' own core attention where it takes a bottom-right
+    causal mask (TE's: the fused kernels of the unchunked run); False, or a local layer
+    backend, runs torch's scaled-dot-product attention."""
     cfg = model.config
     if getattr(cfg, "multi_latent_attention", False):
         raise ValueError("ChunkPipe supports GQA / MHA attention; MLA (model.foundation.mla) is not supported yet")
@@ -133,13 +205,16 @@ def enable_chunkpipe(model: torch.nn.Module) -> ChunkState:
     state = ChunkState(num_layers=len(layers))
     for i, layer in enumerate(layers):
         core = layer.self_attention.core_attention
+        if isinstance(core.forward, ChunkedAttention):
+            raise ValueError("ChunkPipe is already enabled on this model")
         mask = getattr(core, "attn_mask_type", AttnMaskType.causal)
         if getattr(mask, "name", mask) != "causal":  # megatron's enum (local) or TE's string ("causal")
             raise ValueError(f"ChunkPipe needs causal attention (layer {i} has {getattr(mask, 'name', mask)!r})")
         scale = getattr(core, "softmax_scale", None) or getattr(cfg, "softmax_scale", None)
         if scale is None:
             scale = cfg.kv_channels**-0.5
-        layer.self_attention.core_attention = ChunkedAttention(i, state, scale)
+        fused = core.forward if fused_attention and _takes_mask_type(core) else None
+        core.forward = ChunkedAttention(i, state, scale, fused)
     if getattr(model, "rotary_pos_emb", None) is not None:
         model.rotary_pos_emb.forward = _chunk_rope(model.rotary_pos_emb, state)
     return state

@@ -13,7 +13,8 @@ from loong_parallel.balance import (
     build_balancer,
 )
 from loong_parallel.capabilities import require_features
-from loong_parallel.config import ParallelConfig
+from loong_parallel.chunkpipe_schedule import chunkpipe_schedule
+from loong_parallel.config import ChunkPipeConfig, ParallelConfig
 from loong_parallel.diffusion import DiffusionModel
 from loong_parallel.distributed import (
     DataParallel,
@@ -38,6 +39,8 @@ from loong_parallel.step_window import StepWindow
 
 __version__ = "0.1.0"
 __all__ = [
+    "ChunkPipeConfig",
+    "chunkpipe_schedule",
     "model_kind",
     "LOSS_KEY",
     "BalanceConfig",

@@ -1,11 +1,12 @@
 """ChunkPipe, the schedule: one long sample through the model chunk by chunk, on one pipeline
 stage or across several.
 
-Forward runs every chunk in order; all but the last run without an autograd graph (only their
-keys / values stay, in the model's :class:`loong_models.chunked.ChunkState`). The last chunk keeps
-its graph and runs backward at once. Then, in reverse chunk order, each earlier chunk is
-recomputed with its graph and run backward with extra roots: its keys / values, fed with the
-gradient that later chunks accumulated in the cached copies. Activation memory is therefore one
+Forward runs every chunk in order; all but the last run without an autograd graph and without
+the output layer (only their keys / values stay, in the model's
+:class:`loong_models.chunked.ChunkState`). The last chunk keeps its graph and runs backward at
+once. Then, in reverse chunk order, each earlier chunk is recomputed with its graph and run
+backward; its keys / values receive, inside the attention's backward, the gradient that later
+chunks accumulated for them. Activation memory is therefore one
 chunk's, whatever the sample length; what grows with the length is the key/value cache.
 
 With pipeline parallelism every stage runs the same order: forward of all chunks (activations
@@ -22,6 +23,8 @@ is invisible to the gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +71,20 @@ def _set_rng_states(states: tuple) -> None:
     get_cuda_rng_tracker().set_states(tracker)
 
 
+@contextmanager
+def _decoder_only(model, skip_output: bool):
+    """Megatron's GPT model returns the decoder's output when it is not the post-process stage."""
+    inner = unwrap(model)
+    if not skip_output:
+        yield
+        return
+    inner.post_process = False
+    try:
+        yield
+    finally:
+        inner.post_process = True
+
+
 class _Stage:
     """One pipeline stage's view of one sample: chunk forwards (activations from / to the
     neighbouring stages over the pipeline group) and the chunk loss on the last stage."""
@@ -91,17 +108,20 @@ class _Stage:
         if not self.first:
             self.inputs[chunk] = self._recv(b - a, mpu.get_pipeline_model_parallel_prev_rank())
 
-    def forward(self, chunk: int, a: int, b: int) -> torch.Tensor:
-        """The chunk's loss sum (last stage) or output activation (other stages)."""
+    def forward(self, chunk: int, a: int, b: int, loss: bool = True) -> torch.Tensor:
+        """The chunk's loss sum (last stage) or output activation (other stages); with
+        ``loss=False`` the last stage stops after the decoder (the first pass of a chunk that
+        is recomputed later only fills the key/value cache)."""
         if not self.first:
             x = self.inputs[chunk]
             if torch.is_grad_enabled():
                 x.requires_grad_()
             unwrap(self.model).set_input_tensor(x)
         f = self.fields
-        out = self.model(f["tokens"][:, a:b], f["position_ids"][:, a:b], None,
-                         labels=f["labels"][:, a:b] if self.last else None)  # fmt: skip
-        if not self.last:
+        with _decoder_only(self.model, self.last and not loss):
+            out = self.model(f["tokens"][:, a:b], f["position_ids"][:, a:b], None,
+                             labels=f["labels"][:, a:b] if self.last else None)  # fmt: skip
+        if not self.last or not loss:
             return out
         return (out.float() * f["loss_mask"][:, a:b].float()).sum()
 
@@ -109,27 +129,21 @@ class _Stage:
         if not self.last:
             dist.send(out.detach().contiguous(), mpu.get_pipeline_model_parallel_next_rank())
 
-    def backward(self, state: ChunkState, chunk: int, out: torch.Tensor, final_chunk: bool) -> None:
-        """Backward of one chunk: from the loss (last stage) or the next stage's gradient, plus
-        the gradient later chunks sent to this chunk's cached keys / values; then the input's
-        gradient goes to the previous stage."""
+    def backward(self, chunk: int, out: torch.Tensor, grad_scale: Callable | None) -> None:
+        """Backward of one chunk from the loss (scaled by the optimizer's ``grad_scale``, as
+        megatron's schedules do; last stage) or the next stage's gradient (the gradient later
+        chunks sent to this chunk's keys / values joins inside the attention's backward); then
+        the input's gradient goes to the previous stage."""
         if self.last:
-            roots, grads = [out], [torch.ones_like(out)]
+            (grad_scale(out) if grad_scale is not None else out).backward()
         else:
-            roots, grads = [out], [self._recv(out.shape[0], mpu.get_pipeline_model_parallel_next_rank())]
-        if not final_chunk:  # the last chunk's keys / values fed no later chunk
-            for (k, v), (gk, gv) in zip(state.live_kv, state.cached_kv_grads(chunk)):
-                for root, grad in ((k, gk), (v, gv)):
-                    if grad is not None:
-                        roots.append(root)
-                        grads.append(grad)
-        torch.autograd.backward(roots, grads)
+            out.backward(self._recv(out.shape[0], mpu.get_pipeline_model_parallel_next_rank()))
         if not self.first:
             dist.send(self.inputs.pop(chunk).grad.contiguous(), mpu.get_pipeline_model_parallel_prev_rank())
 
 
-def chunkpipe_forward_backward(model, state: ChunkState, batch: dict, chunk_size: int,
-                               device: torch.device) -> ChunkPipeResult:  # fmt: skip
+def chunkpipe_forward_backward(model, state: ChunkState, batch: dict, chunk_size: int, device: torch.device,
+                               grad_scale: Callable | None = None) -> ChunkPipeResult:  # fmt: skip
     """Forward and backward of one sample (``[1, S]`` tokens, labels, loss_mask, position_ids;
     ``cu_seqlens`` for a packed sample) in chunks of ``chunk_size`` tokens on this pipeline
     stage (every stage of the pipeline calls it for the same sample). Gradients accumulate into
@@ -142,21 +156,50 @@ def chunkpipe_forward_backward(model, state: ChunkState, batch: dict, chunk_size
     state.begin_sample(stage.fields["position_ids"][0], sample_boundaries(batch, seq_len))
     rng, total = [], 0.0
     try:
-        for j, (a, b) in enumerate(bounds):
+        for j, (a, b) in enumerate(bounds[:last]):  # no graph: these chunks are recomputed
             rng.append(_rng_states())
             state.begin_chunk(j, a, b, build_cache=True)
             stage.receive_input(j, a, b)
-            with torch.set_grad_enabled(j == last):  # earlier chunks are recomputed in backward
-                out = stage.forward(j, a, b)
+            with torch.no_grad():
+                out = stage.forward(j, a, b, loss=False)
             stage.send_output(out)
-            total += float(out.detach()) if stage.last else 0.0
-        stage.backward(state, last, out, final_chunk=True)
+        state.begin_chunk(last, *bounds[last], build_cache=True)
+        stage.receive_input(last, *bounds[last])
+        out = stage.forward(last, *bounds[last])
+        stage.send_output(out)
+        total += float(out.detach()) if stage.last else 0.0
+        stage.backward(last, out, grad_scale)
         for j in reversed(range(last)):
             current = _rng_states()
             _set_rng_states(rng[j])  # recompute replays the forward's dropout
             state.begin_chunk(j, *bounds[j], build_cache=False)
-            stage.backward(state, j, stage.forward(j, *bounds[j]), final_chunk=False)
+            out = stage.forward(j, *bounds[j])
+            total += float(out.detach()) if stage.last else 0.0
+            stage.backward(j, out, grad_scale)
             _set_rng_states(current)
+    finally:
+        state.end_sample()
+    return ChunkPipeResult(total, int(stage.fields["loss_mask"].sum()))
+
+
+@torch.no_grad()
+def chunkpipe_forward(model, state: ChunkState, batch: dict, chunk_size: int, device: torch.device,
+                      grad_scale: Callable | None = None) -> ChunkPipeResult:  # fmt: skip
+    """The loss of one sample chunk by chunk, without gradients (evaluation): each chunk once,
+    in order, attending to the cache of the earlier ones. ``grad_scale`` is unused (one
+    signature with :func:`chunkpipe_forward_backward`)."""
+    del grad_scale
+    stage = _Stage(model, batch, device)
+    seq_len = stage.fields["tokens"].shape[1]
+    state.begin_sample(stage.fields["position_ids"][0], sample_boundaries(batch, seq_len))
+    total = 0.0
+    try:
+        for j, (a, b) in enumerate(chunk_bounds(seq_len, chunk_size)):
+            state.begin_chunk(j, a, b, build_cache=True)
+            stage.receive_input(j, a, b)
+            out = stage.forward(j, a, b)
+            stage.send_output(out)
+            total += float(out) if stage.last else 0.0
     finally:
         state.end_sample()
     return ChunkPipeResult(total, int(stage.fields["loss_mask"].sum()))

@@ -43,6 +43,19 @@ class CPCommType(StrEnum):
 
 
 @dataclass
+class ChunkPipeConfig:
+    """ChunkPipe (loong_parallel.chunkpipe): each sample runs through the model in chunks of
+    ``chunk_size`` tokens, attending to the cached keys / values of its earlier chunks; the
+    activation memory is one chunk's whatever the sample length. null = off."""
+
+    chunk_size: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.chunk_size is not None
+
+
+@dataclass
 class ParallelConfig:
     tp: int = 1  # tensor parallel size
     pp: int = 1  # pipeline parallel size
@@ -84,6 +97,7 @@ class ParallelConfig:
     wgrad_fusion: bool = False
     # Data-parallel load balancing of packed samples (data.packing=thd)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    chunkpipe: ChunkPipeConfig = field(default_factory=ChunkPipeConfig)
 
     @property
     def expert_tp(self) -> int:
@@ -117,6 +131,7 @@ class ParallelConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)} must be >= 1")
         self._validate_moe(world_size, num_experts, expert_ffn_hidden_size, has_shared_experts)
+        self._validate_chunkpipe(num_experts)
         if num_query_groups % self.tp or num_heads % self.tp:
             raise ValueError(
                 f"parallel.tp={self.tp} must divide the attention heads ({num_heads}) and KV groups "
@@ -155,6 +170,20 @@ class ParallelConfig:
             if bad:
                 raise ValueError(f"parallel.encoder_layout=decoupled does not support parallel.{key}="
                                  f"{getattr(self, key)} yet; use parallel.encoder_layout=shared or hetero_dp")  # fmt: skip
+
+    def _validate_chunkpipe(self, num_experts: int | None) -> None:
+        """What ChunkPipe runs with: data and pipeline parallelism of GQA / MHA models."""
+        size = self.chunkpipe.chunk_size
+        if size is None:
+            return
+        if size < 1:
+            raise ValueError(f"parallel.chunkpipe.chunk_size={size} must be >= 1 (or null: off)")
+        cannot = {"parallel.cp > 1": self.cp > 1, "parallel.tp > 1": self.tp > 1, "parallel.vpp": self.vpp is not None,
+                  "parallel.overlap_grad_reduce": self.overlap_grad_reduce, "parallel.moe_a2a_overlap": self.moe_a2a_overlap,
+                  "an MoE model (model.foundation.moe)": num_experts is not None}  # fmt: skip
+        for what, present in cannot.items():
+            if present:
+                raise ValueError(f"parallel.chunkpipe cannot combine with {what}: supported are pp >= 1 and dp")
 
     def _validate_moe(
         self, world_size: int, num_experts: int | None, expert_ffn: int | None, has_shared: bool

@@ -139,7 +139,7 @@ def encoder_on_every_stage(layout: str) -> bool:
 def apply_encoder_layout(model: torch.nn.Module, layout: str, model_cfg, tp_group) -> torch.nn.Module:
     """Set the layout on a built VLM stage (before DDP wrapping); text models and stages without
     the encoder are returned as they are. ``decoupled`` also gives the model a ``forward_backward_wrapper`` for megatron's schedule (see
-    :func:`loong_parallel.step.forward_backward_func`) and a ``finish_build`` (collective, called by
+    :func:`loong_parallel.step.schedule_for`) and a ``finish_build`` (collective, called by
     :func:`loong_parallel.build_model_chunks` once every rank has built its stage)."""
     if layout == EncoderLayout.shared or getattr(model, "image_encoder", None) is None:
         return model

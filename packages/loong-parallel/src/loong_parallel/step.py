@@ -68,10 +68,11 @@ def _global_loss(per_microbatch: list[dict], device: torch.device) -> tuple[floa
     return loss_sum / max(count, 1.0), int(count)
 
 
-def forward_backward_func(chunks: list[torch.nn.Module]) -> Callable:
-    """megatron's schedule for this run, wrapped by the model when it runs work around it (the
-    ``decoupled`` image-encoder layout encodes before it: loong_parallel.encoder_layout)."""
-    func = get_forward_backward_func()
+def schedule_for(chunks: list[torch.nn.Module], schedule: Callable | None = None) -> Callable:
+    """The step's schedule (``schedule``, e.g. ChunkPipe's, else megatron's for the layout), wrapped
+    by the model when it runs work around it (the ``decoupled`` image-encoder layout encodes before
+    it: loong_parallel.encoder_layout)."""
+    func = schedule or get_forward_backward_func()
     wrapper = getattr(unwrap(chunks[0]), "forward_backward_wrapper", None)
     return wrapper(func) if wrapper is not None else func
 
@@ -92,15 +93,18 @@ def train_step(
     micro_batch_size: int,
     device: torch.device,
     synchronize: Callable[[], None] | None = None,
+    forward_backward_func: Callable | None = None,
 ) -> StepResult:
     """One optimizer step. With ``synchronize`` (the accelerator's), also measures
-    :attr:`StepResult.compute_s`, the input of DP load balancing's online cost fit."""
+    :attr:`StepResult.compute_s`, the input of DP load balancing's online cost fit.
+    ``forward_backward_func``: the schedule (default: megatron's for the layout; ChunkPipe's
+    from :func:`loong_parallel.chunkpipe_schedule.chunkpipe_schedule`)."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     timing: dict[str, float] = {}
     with _time_until_grad_sync(chunks, synchronize, timing) if synchronize else _no_timing():
-        outputs = forward_backward_func(chunks)(
+        outputs = schedule_for(chunks, forward_backward_func)(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
             model=chunks,
@@ -149,12 +153,13 @@ def eval_step(
     seq_length: int,
     micro_batch_size: int,
     device: torch.device,
+    forward_backward_func: Callable | None = None,
 ) -> tuple[float, int]:
     """Mean loss over ``num_microbatches`` micro-batches per DP rank, without updating."""
     for chunk in chunks:
         chunk.eval()
     try:
-        outputs = forward_backward_func(chunks)(
+        outputs = schedule_for(chunks, forward_backward_func)(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
             model=chunks,
