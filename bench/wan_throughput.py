@@ -51,9 +51,14 @@ STACKS = ("loong", "diffusers")
 def latent_shape(args, cfg) -> tuple[int, int, int, int]:
     """(channels, frames, height, width) of the VAE latents of a --frames x --height x --width clip."""
     (sf, sh, sw), (pf, ph, pw) = VAE_STRIDE, cfg.patch_size
-    if (args.frames - 1) % sf or args.height % (sh * ph) or args.width % (sw * pw):
-        raise SystemExit(f"--frames {args.frames} must be 1 + 4k and --height/--width multiples of "
-                         f"{sh * ph}/{sw * pw} (VAE stride x patch)")  # fmt: skip
+    if (
+        (args.frames - 1) % sf
+        or (1 + (args.frames - 1) // sf) % pf
+        or args.height % (sh * ph)
+        or args.width % (sw * pw)
+    ):
+        raise SystemExit(f"--frames {args.frames} must be 1 + 4k (latent frames a multiple of {pf}) and "
+                         f"--height/--width multiples of {sh * ph}/{sw * pw} (VAE stride x patch)")  # fmt: skip
     return cfg.in_channels, 1 + (args.frames - 1) // sf, args.height // sh, args.width // sw
 
 
@@ -81,7 +86,9 @@ def sample_inputs(args, cfg, objective, step: int) -> dict[str, torch.Tensor]:
         lat.append(torch.randn(latent_shape(args, cfg.diffusion), generator=g))
         ctx.append(torch.randn(args.text_len, cfg.diffusion.text_dim, generator=g))
     fm = objective.prepare(torch.stack(lat), ids, seed=args.seed)
-    return dict(noisy=fm.noisy, timestep=fm.timestep, context=torch.stack(ctx), target=fm.target, weight=fm.weight)
+    return dict(
+        noisy=fm.noisy, timestep=fm.timestep, context=torch.stack(ctx), target=fm.target, weight=fm.weight
+    )
 
 
 def digest(batch: dict[str, torch.Tensor]) -> str:
@@ -246,7 +253,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     runs = {s: run_stack(args, s) for s in args.stacks}
     check_same_data(runs)
     rows = summarize(args, cfg, runs)
-    print(f"{'stack':10} {'impl':6} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'loss first/last':>18}")
+    print(
+        f"{'stack':10} {'impl':6} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'loss first/last':>18}"
+    )
     for r in rows:
         print(f"{r.stack:10} {r.impl:6} {r.median_s:8.3f} {r.tokens_per_s:10.0f} {r.mfu:6.3f} {r.peak_mem_gib:9.1f} "
               f"{r.first_loss:8.4f}/{r.last_loss:.4f}")  # fmt: skip
