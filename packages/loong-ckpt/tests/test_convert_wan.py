@@ -145,3 +145,20 @@ def test_tp2_loong_wan_gives_the_diffusers_velocity(models, made, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for kind, got in torch.load(tmp_path / "out.pt").items():
         assert (got - x["want"]).abs().max().item() <= TOL, kind
+
+
+def test_init_from_refuses_a_diffusers_directory_for_another_model_and_an_hf_one_for_wan(models, made, tmp_path):
+    from safetensors.torch import save_file
+
+    from loong_ckpt.restore import RestoreError, load_weights
+
+    hf = models["t2v"][0] / "hf"
+    with pytest.raises(RestoreError, match="diffusers WanTransformer3DModel directory, but the model has no model.diffusion"):
+        load_weights(str(hf), [], ModelConfig())
+    llm = tmp_path / "llm"
+    llm.mkdir()
+    (llm / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"x": torch.zeros(1)}, llm / "model.safetensors")
+    wan = ModelConfig(diffusion=wan_from_diffusers(json.loads((hf / "config.json").read_text()), "cfg"))
+    with pytest.raises(RestoreError, match="an HF model directory, but model.diffusion"):
+        load_weights(str(llm), [], wan)
