@@ -122,6 +122,9 @@ class Trainer:
         self.dp = data_parallel()
         layout = step_layout(cfg, num_microbatches=self.num_microbatches, dp=self.dp, device=self.device)
         self.data = data(layout) if data else run_data(cfg, layout, is_main=self.is_main)
+        # preparing data may draw from the host RNG (a diffusion job builds its random towers on a
+        # cold cache): seed again so that the initial weights do not depend on the cache's state
+        seed_everything(t.seed)
         self.model = model or model_kind(cfg.model, self.accel.device_type, seed=t.seed)
         self._build_model()
         self.optimizer, self.scheduler = build_optimizer(cfg.optim, cfg.parallel, self.chunks, dtype=self.dtype,
