@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -147,7 +148,10 @@ class WanModel(MegatronModule):
         return self._unpatchify(x, b, grid)
 
     def _split_sequence(self, x: torch.Tensor, temb: torch.Tensor, tmod: torch.Tensor):
-        """This rank's part of the tokens (and of per-token timestep embeddings)."""
+        """This rank's part of the tokens (and of per-token timestep embeddings). The timestep
+        embeddings are computed whole on every rank but modulate only this rank's tokens: their
+        grads are summed over TP (identity forward, all-reduce backward)."""
+        temb, tmod = copy_to_tensor_model_parallel_region(temb), copy_to_tensor_model_parallel_region(tmod)
         tp, rank, s = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank(), x.shape[0]
         if s % tp:
             raise ValueError(f"sequence parallelism: {s} latent tokens per sample do not split over "
