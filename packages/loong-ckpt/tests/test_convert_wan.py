@@ -1,10 +1,12 @@
 """diffusers WanTransformer3DModel <-> Loong Wan: tiny random diffusers models (T2V, and I2V with
 CLIP image tokens) give the same velocity in Loong (fp32, CPU) loaded online and from the converted
-checkpoint, also with per-token timesteps (Wan2.2 TI2V) and at TP=2 (torchrun, gloo); diffusers ->
+checkpoint, also with per-token timesteps (Wan2.2 TI2V) and at TP=2 with and without sequence
+parallelism (torchrun, gloo); diffusers ->
 Megatron -> diffusers is bit-identical; the CLI converts both ways; bad input fails naming it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -117,6 +119,9 @@ def test_loong_convert_cli_converts_wan_both_ways(models, made, tmp_path, capsys
     b = load_file(next((tmp_path / "back").glob("*.safetensors")))
     a = load_file(root / "hf/diffusion_pytorch_model.safetensors")
     assert all(b[k].dtype == torch.bfloat16 and torch.equal(b[k], a[k].bfloat16()) for k in a)
+    assert cli.main(["mcore-to-hf", str(tmp_path / "ck"), str(tmp_path / "wan"), "--wan-layout", "wan", "--no-progress"]) == 0
+    w = _weights(tmp_path / "wan")
+    assert torch.equal(w["blocks.0.self_attn.q.weight"], a["blocks.0.attn1.to_q.weight"])
 
 
 def test_bad_wan_configs_fail_naming_the_key(models, made, tmp_path):
@@ -135,13 +140,77 @@ def test_bad_wan_configs_fail_naming_the_key(models, made, tmp_path):
 
 
 @pytest.mark.dist
-def test_tp2_loong_wan_gives_the_diffusers_velocity(models, made, tmp_path):
+def test_tp2_and_sequence_parallel_loong_wan_give_the_diffusers_velocity(models, made, tmp_path):
     root, x = models["t2v"][0], made["t2v"]
-    torch.save({k: x[k] for k in ("latents", "timestep", "context")}, tmp_path / "in.pt")
+    torch.save({k: x[k] for k in ("latents", "timestep", "context", "timestep_tokens")}, tmp_path / "in.pt")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE / "wan_worker.py"),
            str(root / "hf"), str(root / "ckpt"), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]  # fmt: skip
     proc = subprocess.run(cmd, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for kind, got in torch.load(tmp_path / "out.pt").items():
-        assert (got - x["want"]).abs().max().item() <= TOL, kind
+    got = torch.load(tmp_path / "out.pt")
+    assert sorted(got) == ["ckpt", "hf-online", "sp", "sp-tokens"]  # sp: sequence parallel (online)
+    for kind, out in got.items():
+        want = x["want_tokens"] if kind == "sp-tokens" else x["want"]
+        assert (out - want).abs().max().item() <= TOL, kind
+
+
+def test_init_from_refuses_a_diffusers_directory_for_another_model_and_an_hf_one_for_wan(models, made, tmp_path):
+    from safetensors.torch import save_file
+
+    from loong_ckpt.restore import RestoreError, load_weights
+
+    hf = models["t2v"][0] / "hf"
+    with pytest.raises(RestoreError, match="is a Wan transformer directory .diffusers or Wan-AI layout., but the model has no model.diffusion"):
+        load_weights(str(hf), [], ModelConfig())
+    llm = tmp_path / "llm"
+    llm.mkdir()
+    (llm / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"x": torch.zeros(1)}, llm / "model.safetensors")
+    wan = ModelConfig(diffusion=wan_from_diffusers(json.loads((hf / "config.json").read_text()), "cfg"))
+    with pytest.raises(RestoreError, match="an HF model directory, but model.diffusion"):
+        load_weights(str(llm), [], wan)
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("name", ["t2v", "i2v"])
+def test_wan_release_layout_converts_both_ways_and_diffusers_reads_it(name, models, made, tmp_path):
+    """Loong -> the Wan-AI release layout (blocks.N.self_attn.q, head.head, ...): diffusers' own
+    converter (convert_wan_transformer_to_diffusers) turns it into the original diffusers weights
+    exactly; the release directory loads into Loong online with the diffusers velocity, converts
+    offline, and exports back bit-identically."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    from loong_ckpt.diffusion import wan_from_release
+
+    root, x = models[name][0], made[name]
+    meta = json.loads((root / "ckpt/loong.json").read_text())
+    mcore_to_diffusers(root / "ckpt", tmp_path / "wan", meta, layout="wan")
+    release = _weights(tmp_path / "wan")
+    config = json.loads((tmp_path / "wan/config.json").read_text())
+    assert config["_class_name"] == "WanModel" and config["model_type"] == name
+    assert {"blocks.1.self_attn.q.weight", "blocks.1.cross_attn.o.bias", "blocks.0.norm3.weight", "head.head.weight",
+            "head.modulation", "blocks.0.modulation", "time_embedding.0.weight", "time_projection.1.bias",
+            "text_embedding.2.weight", "patch_embedding.weight"} <= set(release)  # fmt: skip
+    original = load_file(root / "hf/diffusion_pytorch_model.safetensors")
+    by_diffusers = convert_wan_transformer_to_diffusers(dict(release))
+    assert set(by_diffusers) == set(original) and all(torch.equal(by_diffusers[k], original[k]) for k in original)
+
+    cfg = wan_from_release(config, "config.json", 20 if name == "i2v" else None)
+    # the release has no rope_max_seq_len (Wan's RoPE table is 1024 long; Loong computes it per grid)
+    want_cfg = wan_from_diffusers(json.loads((root / "hf/config.json").read_text()), "cfg")
+    assert dataclasses.replace(cfg, rope_max_seq_len=want_cfg.rope_max_seq_len) == want_cfg
+    with megatron_world(get_accelerator("cpu")), torch.no_grad():
+        base = build_transformer_config(ModelConfig().foundation, use_cpu_initialization=True, params_dtype=torch.float32)
+        model = build_model(ModelConfig(diffusion=cfg, layer_backend="local"), base, device_type="cpu").eval()
+        load_diffusers_weights(tmp_path / "wan", [model], cfg)
+        got = model(x["latents"], x["timestep"], x["context"], x["image"])
+    assert (got - x["want"]).abs().max().item() <= TOL
+    diffusers_to_mcore(tmp_path / "wan", tmp_path / "ckpt", progress=False)
+    mcore_to_diffusers(tmp_path / "ckpt", tmp_path / "back", json.loads((tmp_path / "ckpt/loong.json").read_text()))
+    back = _weights(tmp_path / "back")
+    assert set(back) == set(release) and all(torch.equal(back[k], release[k]) for k in release)
+    assert json.loads((tmp_path / "back/config.json").read_text()) == config

@@ -1,5 +1,6 @@
 """Loong Wan outputs at TP=N (torchrun, gloo): from a diffusers directory loaded online and from
-a converted checkpoint, on the inputs of ``inputs.pt``; rank 0 saves both to ``out.pt``.
+a converted checkpoint, and with sequence parallelism (online; per-sample and per-token
+timesteps), on the inputs of ``inputs.pt``; rank 0 saves them to ``out.pt``.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 wan_worker.py <diffusers dir> <ckpt> <inputs.pt> <out.pt>
 """
@@ -29,18 +30,20 @@ def main(hf: str, ckpt: str, inputs: str, out: str) -> None:
         mpu.initialize_model_parallel(dist.get_world_size(), 1)
         model_parallel_cuda_manual_seed(0)
         cfg = ModelConfig(diffusion=wan_config_from_meta(read_checkpoint_info(ckpt).meta, ckpt), layer_backend="local")
-        base = build_transformer_config(cfg.foundation, use_cpu_initialization=True, params_dtype=torch.float32,
-                                        tensor_model_parallel_size=dist.get_world_size())  # fmt: skip
         x = torch.load(inputs)
         results = {}
-        for kind in ("hf-online", "ckpt"):
+        for kind in ("hf-online", "ckpt", "sp", "sp-tokens"):
+            base = build_transformer_config(cfg.foundation, use_cpu_initialization=True, params_dtype=torch.float32,
+                                            tensor_model_parallel_size=dist.get_world_size(),
+                                            sequence_parallel=kind.startswith("sp"))  # fmt: skip
             model = build_model(cfg, base, device_type="cpu").eval()
             if kind == "ckpt":
                 load_checkpoint(ckpt, [model])
             else:
                 load_diffusers_weights(hf, [model], cfg.diffusion)
+            t = x["timestep_tokens"] if kind == "sp-tokens" else x["timestep"]
             with torch.no_grad():
-                results[kind] = model(x["latents"], x["timestep"], x["context"])
+                results[kind] = model(x["latents"], t, x["context"])
         if dist.get_rank() == 0:
             torch.save(results, out)
         mpu.destroy_model_parallel()

@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--max-shard-size", type=float, default=2.0, help="safetensors shard size in GiB (default 2)"
     )
+    b.add_argument("--wan-layout", choices=("diffusers", "wan"),
+                   help="a Wan checkpoint's output layout: diffusers WanTransformer3DModel or the Wan-AI "
+                        "release's (blocks.N.self_attn.q ...); default: the layout the run started from")  # fmt: skip
     b.add_argument("--fp8-blocks", metavar="ROWS[,COLS]",
                    help="write the decoder's projection weights FP8 block-quantised (float8_e4m3fn + "
                         "weight_scale_inv per block, the DeepSeek-V3 / V3.2 release's layout), e.g. 128")  # fmt: skip
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             blocks = parse_block(args.fp8_blocks) if args.fp8_blocks else None
             res = mcore_to_hf(args.src, args.out, dtype=args.dtype, tokenizer=args.tokenizer, foundation=foundation,
                               force=args.force, progress=not args.no_progress,
-                              max_shard_bytes=int(args.max_shard_size * 2**30), fp8_blocks=blocks)  # fmt: skip
+                              max_shard_bytes=int(args.max_shard_size * 2**30), fp8_blocks=blocks,
+                              wan_layout=args.wan_layout)  # fmt: skip
             print(
                 f"wrote {res.path} ({res.tensors} tensors, {res.seconds:.1f}s, peak RSS {res.peak_rss_mib:.0f} MiB)"
             )

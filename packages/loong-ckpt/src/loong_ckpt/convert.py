@@ -31,8 +31,8 @@ from loong_ckpt.components import (
 )
 from loong_ckpt.diffusion import (
     diffusers_to_mcore,
-    is_diffusers_wan,
     is_diffusion_checkpoint,
+    is_wan_dir,
     mcore_to_diffusers,
 )
 from loong_ckpt.families import mtp_copies
@@ -121,7 +121,7 @@ def check_hf_extras(reader: HFReader, cfg: FoundationConfig) -> None:
 def hf_to_mcore(src: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None,
                 name: str | None = None, force: bool = False, progress: bool = True) -> ConvertResult:  # fmt: skip
     """Convert an HF directory (or a diffusers Wan transformer) into a Loong checkpoint ``out``."""
-    if is_diffusers_wan(src):
+    if is_wan_dir(src):
         return diffusers_to_mcore(src, out, dtype=dtype, force=force, progress=progress)
     t0 = time.perf_counter()
     src, out = Path(src), Path(out).absolute()
@@ -287,8 +287,10 @@ def mcore_to_hf(
     progress: bool = True,
     max_shard_bytes: int = 2 * 2**30,
     fp8_blocks: tuple[int, int] | None = None,
+    wan_layout: str | None = None,
 ) -> ConvertResult:
-    """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``.
+    """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``
+    (a Wan model: into ``wan_layout``, diffusers' or the Wan-AI release's; default its source's).
     A LoRA checkpoint (adapters only) is merged into the base weights it names (``W + s * B @ A``):
     the output is a plain model. ``fp8_blocks`` (rows, cols) writes the decoder's projection
     weights FP8 block-quantised, in the layout of the family's release (fp8_blocks.FP8_LAYOUTS)."""
@@ -299,7 +301,8 @@ def mcore_to_hf(
         raise ConversionError(f"{src} is an incomplete checkpoint (interrupted save); it cannot be converted")
     meta_path = src / META_FILE
     if meta_path.is_file() and is_diffusion_checkpoint(meta := json.loads(meta_path.read_text())):
-        return mcore_to_diffusers(src, out, meta, dtype=dtype, force=force, max_shard_bytes=max_shard_bytes)
+        return mcore_to_diffusers(src, out, meta, dtype=dtype, force=force, max_shard_bytes=max_shard_bytes,
+                                  layout=wan_layout)  # fmt: skip
     model_cfg, meta = _checkpoint_model(src, foundation)
     verify_files(src, meta)
     cfg = foundation_of(model_cfg)

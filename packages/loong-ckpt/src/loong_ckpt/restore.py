@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loong_ckpt.components import checkpoint_meta
+from loong_ckpt.diffusion import is_wan_dir, load_diffusers_weights
 from loong_ckpt.hf_io import is_hf_dir
 from loong_ckpt.integrity import IntegrityError
 from loong_ckpt.log import logger
@@ -116,9 +117,12 @@ def load_adapters(path: str, chunks: list, model_cfg: Any) -> None:
 
 
 def load_weights(init_from: str, chunks: list, model_cfg: Any, *, part: str = "all") -> None:
-    """Model weights (not optimizer state) from an HF directory, a LeRobot / OpenPI policy
-    (``model.embodied``: a folder or file of safetensors) or a Loong checkpoint."""
+    """Model weights (not optimizer state) from an HF directory, a diffusers ``WanTransformer3DModel``
+    directory (``model.diffusion``), a LeRobot / OpenPI policy (``model.embodied``: a folder or file
+    of safetensors) or a Loong checkpoint."""
     src = Path(init_from)
+    if _load_diffusers(init_from, chunks, model_cfg):
+        return
     if getattr(model_cfg, "embodied", None) is not None and (src.suffix == ".safetensors" or any(src.glob("*.safetensors"))):
         from loong_ckpt.pi05 import load_lerobot_weights
 
@@ -130,6 +134,25 @@ def load_weights(init_from: str, chunks: list, model_cfg: Any, *, part: str = "a
     info, _ = load_checkpoint(read_checkpoint_info(init_from).path, chunks, part=part)
     if _is_main():
         logger.info("initialised model weights from %s", info.path)
+
+
+def _load_diffusers(init_from: str, chunks: list, model_cfg: Any) -> bool:
+    """A Wan transformer directory (diffusers or Wan-AI layout) into a Wan model, online (each TP rank reads its slices); False
+    when neither is one. A diffusers directory for another model, or an HF one for Wan, is refused."""
+    wan = getattr(model_cfg, "diffusion", None)
+    if is_wan_dir(init_from) != (wan is not None):
+        if wan is None:
+            raise RestoreError(f"train.init_from={init_from} is a Wan transformer directory (diffusers or Wan-AI "
+                               "layout), but the model has no model.diffusion (use a Wan model, e.g. model=wan-tiny)")  # fmt: skip
+        if is_hf_dir(init_from):
+            raise RestoreError(f"train.init_from={init_from}: an HF model directory, but model.diffusion (Wan) "
+                               "starts from a Wan transformer directory (config.json _class_name "
+                               "WanTransformer3DModel or WanModel) or a Loong checkpoint")  # fmt: skip
+        return False
+    if wan is None:
+        return False
+    load_diffusers_weights(init_from, chunks, wan)
+    return True
 
 
 def check_lora_base(resumed: CheckpointInfo, init_from: str | None) -> None:
@@ -152,7 +175,7 @@ def run_meta(
     meta = {"tokens_per_step": tokens_per_step, **checkpoint_meta(model_cfg)}
     if config is not None:
         meta[RUN_CONFIG_KEY] = flatten_config(config)
-    if init_from and is_hf_dir(init_from):
+    if init_from and (is_hf_dir(init_from) or is_wan_dir(init_from)):
         meta["hf_config"] = json.loads((Path(init_from) / "config.json").read_text())
     lora = getattr(model_cfg, "lora", None)
     if lora is not None:  # adapters only; loong-convert merges them into `base` on export

@@ -59,8 +59,8 @@ class DiffusionModel:
     def transformer_config(self, parallel: ParallelConfig, *, dtype: torch.dtype, device_type: str
                            ) -> TransformerConfig:  # fmt: skip
         """The runtime's fields (precision, layout); the DiT derives its own sizes from them."""
-        if parallel.pp > 1 or parallel.sequence_parallel:
-            raise ValueError("a diffusion model trains with TP and DP (parallel.pp=1, parallel.sequence_parallel=false)")
+        if parallel.pp > 1:
+            raise ValueError("a diffusion model trains with TP (and sequence parallelism) and DP: parallel.pp=1")
         return build_transformer_config(self.cfg.foundation,
                                         **runtime_transformer_fields(parallel, dtype=dtype, device_type=device_type),
                                         **fusion_fields(self.backend))  # fmt: skip

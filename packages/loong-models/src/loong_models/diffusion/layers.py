@@ -84,16 +84,20 @@ class WanAttention(MegatronModule):
     """Self-attention (fused per-head q/k/v, 3-D RoPE) or cross-attention to the text (plus the
     CLIP image tokens of Wan2.1 I2V, attended separately and summed, as Wan does)."""
 
-    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, layer: int, *, cross: bool):
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, layer: int, *, cross: bool,
+                 whole: TransformerConfig | None = None):  # fmt: skip
+        """``whole``: the config of the text / image key and value projections (their tokens are
+        never split over sequence-parallel ranks); defaults to ``config``."""
         super().__init__(config=config)
         d, tp = cfg.dim, mpu.get_tensor_model_parallel_world_size()
+        whole = whole or config
         if cfg.num_attention_heads % tp:
             raise ValueError(f"model.diffusion.num_attention_heads={cfg.num_attention_heads} is not divisible "
                              f"by the tensor-parallel size {tp}")  # fmt: skip
         self.cross, self.heads, self.head_dim = cross, cfg.num_attention_heads // tp, cfg.attention_head_dim
-        col = lambda o, n: _linear(mods.column_linear, d, o, config, column=True, name=n)  # noqa: E731
+        col = lambda o, n, c=config: _linear(mods.column_linear, d, o, c, column=True, name=n)  # noqa: E731
         if cross:
-            self.linear_q, self.linear_k, self.linear_v = col(d, "q"), col(d, "k"), col(d, "v")
+            self.linear_q, self.linear_k, self.linear_v = col(d, "q"), col(d, "k", whole), col(d, "v", whole)
         else:
             self.linear_qkv = col(3 * d, "qkv")  # per head [q; k; v] (megatron's layout, one group per head)
         self.q_norm = HeadsRMSNorm(d, config, cfg.eps)
@@ -103,7 +107,7 @@ class WanAttention(MegatronModule):
             config=config, layer_number=layer, attn_mask_type=AttnMaskType.no_mask, attention_type=kind
         )
         if cross and cfg.image_dim is not None:
-            self.linear_k_img, self.linear_v_img = col(d, "k_img"), col(d, "v_img")
+            self.linear_k_img, self.linear_v_img = col(d, "k_img", whole), col(d, "v_img", whole)
             self.k_img_norm = HeadsRMSNorm(d, config, cfg.eps)
         self.linear_proj = _linear(mods.row_linear, d, d, config, column=False, name="proj")
 
@@ -148,16 +152,20 @@ class WanLayer(MegatronModule):
     (or plain, for cross-attention) residual. ``modulation`` is the learned [1, 6, dim] table
     added to the timestep projection (shift, scale, gate for attention; the same for the FFN)."""
 
-    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, layer: int) -> None:
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, layer: int,
+                 whole: TransformerConfig | None = None) -> None:  # fmt: skip
         super().__init__(config=config)
         self.eps = cfg.eps
         self.self_attention = WanAttention(cfg, config, mods, layer, cross=False)
-        self.cross_attention = WanAttention(cfg, config, mods, layer, cross=True)
+        self.cross_attention = WanAttention(cfg, config, mods, layer, cross=True, whole=whole)
         self.cross_norm = (
             torch.nn.LayerNorm(cfg.dim, eps=cfg.eps, dtype=config.params_dtype) if cfg.cross_attn_norm else None
         )
         self.mlp = WanMLP(cfg, config, mods)
         self.modulation = torch.nn.Parameter(torch.randn(1, 6, cfg.dim, dtype=config.params_dtype) / cfg.dim**0.5)
+        # replicated, applied to this rank's part of the sequence: megatron sums their grads over TP
+        for p in (self.modulation, *(self.cross_norm.parameters() if self.cross_norm is not None else ())):
+            p.sequence_parallel = config.sequence_parallel
 
     def forward(self, x, context, temb, cos, sin, image=None) -> torch.Tensor:
         """x [s, b, d]; temb [s or 1, b, 6, d] (fp32); cos, sin: RoPE; context [t, b, d]."""
@@ -175,10 +183,11 @@ class WanDecoder(MegatronModule):
     """The stack of layers, ``layers.<i>`` in checkpoints (indexed keys), with optional full
     recompute of each layer in the backward."""
 
-    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules) -> None:
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules,
+                 whole: TransformerConfig | None = None) -> None:  # fmt: skip
         super().__init__(config=config)
         self.recompute = cfg.recompute == "full"
-        self.layers = torch.nn.ModuleList(WanLayer(cfg, config, mods, i + 1) for i in range(cfg.num_layers))
+        self.layers = torch.nn.ModuleList(WanLayer(cfg, config, mods, i + 1, whole) for i in range(cfg.num_layers))
 
     def forward(self, x, context, temb, rope, image=None) -> torch.Tensor:
         from megatron.core import tensor_parallel

@@ -3,15 +3,29 @@
 ``forward(latents [b, c, f, h, w], timestep [b] or [b, tokens], context [b, text_len, text_dim],
 image [b, image_len, image_dim] | None) -> [b, out_channels, f, h, w]`` (the flow's velocity).
 All samples of a micro-batch share one latent shape (batch by resolution).
+
+Sequence parallelism (``sequence_parallel`` with TP > 1, megatron's): the video tokens are split
+over the TP ranks between the layers' parallel linears (each rank normalises, modulates and adds
+residuals for its part of the sequence; the column linears all-gather it, the row linears
+reduce-scatter); the text, image and timestep paths stay whole (a few hundred tokens).
+Replicated parameters that see only a part of the sequence (modulation tables, the cross-attention
+LayerNorm, the head) are marked ``sequence_parallel`` so that megatron sums their grads over TP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
 from megatron.core.enums import ModelType
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -38,7 +52,7 @@ def build_wan_transformer_config(
         kv_channels=cfg.attention_head_dim, layernorm_epsilon=cfg.eps, add_bias_linear=True,
         init_method_std=cfg.init_method_std, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=1,
-        sequence_parallel=False,
+        sequence_parallel=base.sequence_parallel and tensor_model_parallel_size > 1,
     )  # fmt: skip
     return TransformerConfig(**{**fields, **cfg.extra})
 
@@ -70,16 +84,18 @@ class WanModel(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder  # megatron's schedules ask
         mods = dit_modules(layer_backend)
         d, dt = cfg.dim, config.params_dtype
+        self.sp = config.sequence_parallel
+        whole = dataclasses.replace(config, sequence_parallel=False) if self.sp else config  # text / time paths
         self.patch_embedding = torch.nn.Conv3d(cfg.in_channels, d, cfg.patch_size, cfg.patch_size, dtype=dt)
         self.time_embedding = torch.nn.ModuleDict({
             "linear_1": torch.nn.Linear(cfg.freq_dim, d, dtype=dt), "linear_2": torch.nn.Linear(d, d, dtype=dt)})  # fmt: skip
-        self.time_projection = _linear(mods.column_linear, d, 6 * d, config, column=True, name="tproj", gather_output=True)
-        self.text_embedding = _TwoLayerMLP(cfg.text_dim, d, config, mods, "gelu_tanh")
+        self.time_projection = _linear(mods.column_linear, d, 6 * d, whole, column=True, name="tproj", gather_output=True)
+        self.text_embedding = _TwoLayerMLP(cfg.text_dim, d, whole, mods, "gelu_tanh")
         if cfg.image_dim is not None:
             self.image_norm1 = torch.nn.LayerNorm(cfg.image_dim, dtype=dt)
-            self.image_embedding = _TwoLayerMLP(cfg.image_dim, d, config, mods, "gelu")
+            self.image_embedding = _TwoLayerMLP(cfg.image_dim, d, whole, mods, "gelu")
             self.image_norm2 = torch.nn.LayerNorm(d, dtype=dt)
-        self.decoder = WanDecoder(cfg, config, mods)
+        self.decoder = WanDecoder(cfg, config, mods, whole)
         self.head = torch.nn.Module()
         self.head.modulation = torch.nn.Parameter(torch.randn(1, 2, d, dtype=dt) / d**0.5)
         self.head.linear = torch.nn.Linear(d, cfg.out_channels * cfg.patch_volume, dtype=dt)
@@ -87,6 +103,9 @@ class WanModel(MegatronModule):
             for lin in (self.time_embedding["linear_1"], self.time_embedding["linear_2"], self.head.linear):
                 config.init_method(lin.weight)
                 torch.nn.init.zeros_(lin.bias)
+        if self.sp:
+            for p in (self.head.modulation, *self.head.linear.parameters()):
+                p.sequence_parallel = True
 
     def set_input_tensor(self, input_tensor) -> None:  # one pipeline stage: nothing comes in
         pass
@@ -113,6 +132,8 @@ class WanModel(MegatronModule):
         temb, tmod = self.embed_time(timestep)
         # per sample [b, d] -> [1, b, ...]; per token (Wan2.2 TI2V) [b, s, d] -> [s, b, ...]
         temb, tmod = (temb[None], tmod[None]) if timestep.dim() == 1 else (temb.transpose(0, 1), tmod.transpose(0, 1))
+        if self.sp:
+            x, temb, tmod = self._split_sequence(x, temb, tmod)
         ctx = self.text_embedding(context.transpose(0, 1).to(x.dtype))
         img = None
         if image is not None:
@@ -122,7 +143,21 @@ class WanModel(MegatronModule):
         x = self.decoder(x, ctx, tmod, rope, img)
         shift, scale = (self.head.modulation.float() + temb[..., None, :]).unbind(-2)
         x = self.head.linear((layer_norm(x, cfg.eps) * (1 + scale) + shift).to(x.dtype))
+        if self.sp:  # the loss is computed whole on every rank: the backward just splits the grad
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
         return self._unpatchify(x, b, grid)
+
+    def _split_sequence(self, x: torch.Tensor, temb: torch.Tensor, tmod: torch.Tensor):
+        """This rank's part of the tokens (and of per-token timestep embeddings). The timestep
+        embeddings are computed whole on every rank but modulate only this rank's tokens: their
+        grads are summed over TP (identity forward, all-reduce backward)."""
+        temb, tmod = copy_to_tensor_model_parallel_region(temb), copy_to_tensor_model_parallel_region(tmod)
+        tp, rank, s = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank(), x.shape[0]
+        if s % tp:
+            raise ValueError(f"sequence parallelism: {s} latent tokens per sample do not split over "
+                             f"{tp} tensor-parallel ranks (parallel.sequence_parallel)")  # fmt: skip
+        part = lambda t: t if t.shape[0] == 1 else t[rank * (s // tp) : (rank + 1) * (s // tp)]  # noqa: E731
+        return scatter_to_sequence_parallel_region(x), part(temb), part(tmod)
 
     def _unpatchify(self, x: torch.Tensor, b: int, grid: tuple[int, int, int]) -> torch.Tensor:
         (pf, ph, pw), (f, h, w) = self.cfg.patch_size, grid
