@@ -75,9 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (cosine to lr / 10)")
     p.add_argument(
-        "--real-routing",
+        "--forced-routing",
         action="store_true",
-        help="route with the random router as is (default: megatron's forced load balancing, see below)",
+        help="megatron's forced load balancing instead of the router's own choice (default: real routing)",
     )
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -103,11 +103,11 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         f"optim.warmup_steps={args.warmup}", f"parallel.ep={args.ep}", "parallel.distributed_optimizer=true",
         # a learning rate of this model size (the app's default 3e-3 is tuned for the 5M-parameter job)
         f"optim.lr={args.lr}", f"optim.min_lr={args.lr / 10}",
-        # A randomly initialised router sent nearly every token to the same 8 experts at this width
-        # (load imbalance ~14 from step 1 on an H200 run; likely because the token-specific part of the
-        # residual stream is small at init), so one EP rank did all the expert work. Throughput is
-        # measured with balanced routing, as a trained router gives (megatron's benchmark switch).
-        *([] if args.real_routing else ["++model.foundation.extra.moe_router_force_load_balancing=true"]),
+        # Real routing: the zoo's MoE models initialise embeddings with std 1.0 (embedding_init_std).
+        # At 0.02 the routers of this width sent nearly every token to the same 8 experts (load
+        # imbalance ~14 from step 1 on an H200 run; cause and test: test_moe_routing_init.py), so
+        # one EP rank did all the expert work and overlap could not pay.
+        *(["++model.foundation.extra.moe_router_force_load_balancing=true"] if args.forced_routing else []),
         *VARIANTS[variant], *args.extra,
     ]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",

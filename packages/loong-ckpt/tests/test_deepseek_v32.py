@@ -130,12 +130,11 @@ def test_an_all_dense_deepseek_v32_reads_as_no_moe_and_writes_back_as_all_dense_
     "changes,match",
     [
         ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05 is not supported for deepseek-v32: HF's indexer LayerNorm has eps 1e-06"),
-        ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1 is not supported for deepseek-v32: MTP layers"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}},
          "rope_parameters=.* is not supported for deepseek-v32: RoPE scaling"),
         ({"mlp_layer_types": ["sparse", "dense"]}, r"mlp_layer_types=\['sparse', 'dense'\] .*only the first k layers may be dense"),
     ],
-    ids=["indexer-norm-eps", "mtp-layers", "yarn", "dense-after-moe"],
+    ids=["indexer-norm-eps", "yarn", "dense-after-moe"],
 )  # fmt: skip
 def test_settings_loong_cannot_represent_are_refused_naming_the_key(v32, changes, match, tmp_path):
     from loong_ckpt import hf_to_mcore

@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--fp8-blocks", metavar="ROWS[,COLS]",
                    help="write the decoder's projection weights FP8 block-quantised (float8_e4m3fn + "
-                        "weight_scale_inv per block, DeepSeek-V3's release format), e.g. 128")  # fmt: skip
+                        "weight_scale_inv per block, the DeepSeek-V3 / V3.2 release's layout), e.g. 128")  # fmt: skip
     for p in (a, b):
         p.add_argument("--dtype", default="auto", help="auto (keep), fp32, bf16 or fp16")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")

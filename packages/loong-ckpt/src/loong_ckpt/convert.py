@@ -39,7 +39,7 @@ from loong_ckpt.diffusion import (
     mcore_to_diffusers,
 )
 from loong_ckpt.families import mtp_copies
-from loong_ckpt.fp8_blocks import BlockWriter, quantization_config
+from loong_ckpt.fp8_blocks import BlockWriter, fp8_layout
 from loong_ckpt.hf_config import ConversionError, model_name
 from loong_ckpt.hf_io import CONFIG_FILE, HFReader, SafetensorsWriter, copy_tokenizer_files, is_hf_dir
 from loong_ckpt.integrity import check_files, hash_files, listed_files
@@ -348,7 +348,7 @@ def mcore_to_hf(
     """Convert a Loong / megatron checkpoint (any TP / PP layout) into an HF directory ``out``.
     A LoRA checkpoint (adapters only) is merged into the base weights it names (``W + s * B @ A``):
     the output is a plain model. ``fp8_blocks`` (rows, cols) writes the decoder's projection
-    weights FP8 block-quantised, as DeepSeek-V3's release (fp8_blocks.py)."""
+    weights FP8 block-quantised, in the layout of the family's release (fp8_blocks.FP8_LAYOUTS)."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     check_output_dir(out, force)
@@ -378,7 +378,8 @@ def mcore_to_hf(
 
         copies = _copies_by_source(cfg)
         plan = _with_copies(plan, copies)
-        writer = BlockWriter(make_writer, plan, fp8_blocks) if fp8_blocks else make_writer(plan)
+        layout = fp8_layout(cfg.family)
+        writer = BlockWriter(make_writer, plan, fp8_blocks, layout) if fp8_blocks else make_writer(plan)
         bar = tqdm(total=len(plan), unit="tensor", desc="mcore-to-hf", disable=not progress)
         try:
             # One read per group: the non-layer tensors, each layer's own tensors, each of its experts.
@@ -400,7 +401,7 @@ def mcore_to_hf(
             merge.check_all_merged()
         hf_cfg = model_to_hf(model_cfg, final_dtype, meta.get("hf_config"))
         if fp8_blocks:
-            hf_cfg["quantization_config"] = quantization_config(fp8_blocks)
+            hf_cfg["quantization_config"] = layout.config(fp8_blocks)
         copy_tokenizer_files(tok_src, tmp)
         _write_atomic(tmp / CONFIG_FILE, json.dumps(hf_cfg, indent=2) + "\n")
     res = ConvertResult(out, time.perf_counter() - t0, peak_rss_mib(), len(plan))

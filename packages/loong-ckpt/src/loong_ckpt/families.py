@@ -126,7 +126,7 @@ QK_NORM: tuple[Rule, ...] = (
     Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), Split.REPLICATED),
 )
 
-# Multi-token prediction (DeepSeek-V3's num_nextn_predict_layers): HF stores MTP layer k as
+# Multi-token prediction (DeepSeek-V3's and V3.2's num_nextn_predict_layers): HF stores MTP layer k as
 # decoder layer num_hidden_layers + k. It holds a decoder layer like the last one (its tensors
 # under megatron's ``mtp.layers.<k>.transformer_layer.``, see mtp_rules), plus these of its own ...
 MTP_OWN: tuple[Rule, ...] = (
@@ -148,8 +148,10 @@ MAPPINGS: dict[str, FamilyMapping] = {
         FamilyMapping("qwen3", DENSE_DECODER + QK_NORM),
         FamilyMapping("qwen3-moe", DENSE_DECODER + QK_NORM + MOE_MLP),
         FamilyMapping("deepseek-v3", EMBEDDING_AND_HEAD + MLA_ATTENTION + DENSE_MLP + MOE_MLP, mtp=MTP_OWN),
-        # No MTP: HF's DeepseekV32 skips the released checkpoint's MTP layer (model.layers.61) on load
-        FamilyMapping("deepseek-v32", EMBEDDING_AND_HEAD + MLA_ATTENTION + DSA_INDEXER + DENSE_MLP + MOE_MLP),
+        # The MTP layer of DeepSeek-V3.2's release (model.layers.61) is DeepSeek-V3's plus the indexer
+        # of its DSA attention (HF's DeepseekV32 skips it on load; Loong trains it)
+        FamilyMapping("deepseek-v32", EMBEDDING_AND_HEAD + MLA_ATTENTION + DSA_INDEXER + DENSE_MLP + MOE_MLP,
+                      mtp=MTP_OWN),
     )
 }
 

@@ -3,12 +3,15 @@
 Such a checkpoint stores each quantised linear weight ``W`` as ``float8_e4m3fn`` plus
 ``<name>_scale_inv`` of shape ``[ceil(rows / b0), ceil(cols / b1)]``, one scale per
 ``weight_block_size = [b0, b1]`` block; its config.json says ``quantization_config:
-{quant_method: fp8, weight_block_size: [b0, b1]}``. The value is ``W_fp8 * scale_inv`` per block.
+{quant_method: fp8, weight_block_size: [b0, b1]}`` (DeepSeek-V3.2's adds ``scale_fmt: ue8m0``:
+power-of-two scales). The value is ``W_fp8 * scale_inv`` per block. Which weights are quantised
+is the family's :class:`Fp8Layout` (export only: import dequantises whatever is FP8).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +30,10 @@ def block_size(config: dict[str, Any], source: str) -> tuple[int, int] | None:
     if q.get("quant_method") != "fp8":
         raise ConversionError(f"{source}: quantization_config.quant_method={q.get('quant_method')!r}; "
                               "only FP8 block quantisation (fp8) is dequantised on load")  # fmt: skip
+    if q.get("scale_fmt") not in (None, "ue8m0"):  # ue8m0: power-of-two fp32 scales, read as any
+        raise ConversionError(
+            f"{source}: quantization_config.scale_fmt={q.get('scale_fmt')!r}; allowed: ue8m0"
+        )
     size = q.get("weight_block_size")
     if not (isinstance(size, list) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size)):
         raise ConversionError(f"{source}: quantization_config.weight_block_size={size!r}; expected [rows, cols]")
@@ -44,9 +51,13 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     return (weight.float() * scale).to(dtype)
 
 
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    weight: torch.Tensor, block: tuple[int, int], scale_fmt: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse, as DeepSeek's released checkpoints were made: per block, scale the largest
-    magnitude to e4m3's maximum (448). Returns (FP8 weight, scale_inv)."""
+    magnitude to e4m3's maximum (448); ``scale_fmt="ue8m0"`` rounds each scale up to a power of
+    two (DeepSeek-V3.1 / V3.2's format), so the largest magnitude lands in (224, 448]. Returns
+    (FP8 weight, scale_inv)."""
     rows, cols = weight.shape
     nb = (-(-rows // block[0]), -(-cols // block[1]))
     padded = torch.zeros(nb[0] * block[0], nb[1] * block[1])
@@ -54,18 +65,46 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     blocks = padded.reshape(nb[0], block[0], nb[1], block[1])
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
     scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
+    if scale_fmt == "ue8m0":
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
     q = (blocks / scale_inv[:, None, :, None]).to(torch.float8_e4m3fn).reshape(padded.shape)[:rows, :cols]
     return q.contiguous(), scale_inv
 
 
-# The weights DeepSeek's release stores in FP8: the attention and MLP (dense, expert, shared)
-# projections of decoder layers; embeddings, norms, the router and the LM head stay in bf16.
-_QUANTISED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\..*proj\.weight$")
+@dataclass(frozen=True)
+class Fp8Layout:
+    """Which weights a release stores as FP8 blocks, and the format of their scales."""
+
+    quantised: re.Pattern[str]
+    scale_fmt: str | None = None  # "ue8m0": every scale a power of two
+    fp32: re.Pattern[str] | None = None  # tensors the release keeps in fp32 (written so, exactly)
+
+    def config(self, block: tuple[int, int]) -> dict[str, Any]:
+        """config.json's ``quantization_config`` of a checkpoint written in this layout."""
+        q: dict[str, Any] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
+        if self.scale_fmt:
+            q["scale_fmt"] = self.scale_fmt
+        return {**q, "weight_block_size": list(block)}
 
 
-def quantization_config(block: tuple[int, int]) -> dict[str, Any]:
-    """config.json's ``quantization_config`` of a checkpoint written with FP8 blocks."""
-    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+# DeepSeek-V3/R1's release: the attention and MLP (dense, expert, shared) projections of decoder
+# and MTP layers; embeddings, norms, the router, the MTP layer's eh_proj and the LM head stay bf16.
+DEEPSEEK_V3 = Fp8Layout(re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\..*proj\.weight$"))
+# DeepSeek-V3.2(-Exp)'s release: V3's, plus the indexer's wq_b and wk; its weights_proj stays bf16
+# and its k_norm fp32; scales in UE8M0 (powers of two), which its quantization_config names.
+DEEPSEEK_V32 = Fp8Layout(
+    re.compile(
+        r"^model\.layers\.\d+\.(self_attn\.(indexer\.(wq_b|wk)|[a-z_]*proj[a-z_]*)|mlp\..*proj)\.weight$"
+    ),
+    scale_fmt="ue8m0",
+    fp32=re.compile(r"^model\.layers\.\d+\.self_attn\.indexer\.k_norm\.(weight|bias)$"),
+)
+# Family -> its release's layout; other families are written in DeepSeek-V3's.
+FP8_LAYOUTS: dict[str, Fp8Layout] = {"deepseek-v3": DEEPSEEK_V3, "deepseek-v32": DEEPSEEK_V32}
+
+
+def fp8_layout(family: str) -> Fp8Layout:
+    return FP8_LAYOUTS.get(family, DEEPSEEK_V3)
 
 
 def parse_block(text: str) -> tuple[int, int]:
@@ -77,30 +116,33 @@ def parse_block(text: str) -> tuple[int, int]:
 
 
 class BlockWriter:
-    """A safetensors writer that stores each quantised weight as FP8 + ``_scale_inv`` (the
-    release format), every other tensor unchanged. ``plan`` is the plain (name, shape, dtype) list."""
+    """A safetensors writer that stores each quantised weight as FP8 + ``_scale_inv`` and the
+    layout's fp32 tensors in fp32 (the release format), every other tensor unchanged. ``plan`` is
+    the plain (name, shape, dtype) list."""
 
     def __init__(self, make_writer: Any, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
-                 block: tuple[int, int]) -> None:  # fmt: skip
-        self.block = block
+                 block: tuple[int, int], layout: Fp8Layout = DEEPSEEK_V3) -> None:  # fmt: skip
+        self.block, self.layout = block, layout
         out = []
         for name, shape, dtype in plan:
             if self.quantised(name, shape):
                 scales = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
                 out += [(name, shape, torch.float8_e4m3fn), (name + SCALE_SUFFIX, scales, torch.float32)]
             else:
-                out.append((name, shape, dtype))
+                out.append((name, shape, torch.float32 if self.fp32(name) else dtype))
         self.writer = make_writer(out)
         self.shapes = {name: shape for name, shape, _ in plan}
 
-    @staticmethod
-    def quantised(name: str, shape: tuple[int, ...]) -> bool:
-        return len(shape) == 2 and _QUANTISED.match(name) is not None
+    def quantised(self, name: str, shape: tuple[int, ...]) -> bool:
+        return len(shape) == 2 and self.layout.quantised.match(name) is not None
+
+    def fp32(self, name: str) -> bool:
+        return self.layout.fp32 is not None and self.layout.fp32.match(name) is not None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if not self.quantised(name, self.shapes[name]):
-            return self.writer.write(name, tensor)
-        q, scale_inv = quantize(tensor, self.block)
+            return self.writer.write(name, tensor.float() if self.fp32(name) else tensor)
+        q, scale_inv = quantize(tensor, self.block, self.layout.scale_fmt)
         self.writer.write(name, q)
         self.writer.write(name + SCALE_SUFFIX, scale_inv)
         return None

@@ -184,11 +184,6 @@ def _sparse_attention_fields(k: _Keys, rope_scaled: bool) -> dict[str, Any]:
         )
     if rope_scaled:  # loong_models' DSA applies plain RoPE (its indexer has no YaRN)
         raise k.fail("rope_parameters", "RoPE scaling (YaRN) with sparse attention is not supported yet")
-    if k.get("num_nextn_predict_layers", default=0):
-        raise k.fail(
-            "num_nextn_predict_layers",
-            "MTP layers of deepseek-v32 are not mapped (HF's DeepseekV32 skips them too)",
-        )
     sparse = SparseAttentionConfig(index_n_heads=k.hf["index_n_heads"], index_head_dim=k.hf["index_head_dim"],
                                    index_topk=k.hf["index_topk"])  # fmt: skip
     return {"sparse_attention": sparse}
@@ -234,7 +229,7 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json") -> Foundatio
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_method_std=hf.get("initializer_range", 0.02),
-        mtp_num_layers=hf.get("num_nextn_predict_layers") or None,  # DeepSeek-V3's MTP layers
+        mtp_num_layers=hf.get("num_nextn_predict_layers") or None,  # DeepSeek-V3's / V3.2's MTP layers
         **_ATTENTION_FROM_HF[fam.attention](k),
         **(_sparse_attention_fields(k, rope_scaling is not None) if fam.sparse_attention else {}),
     )
@@ -357,6 +352,8 @@ def _sparse_attention_to_hf(cfg: FoundationConfig, dsa: SparseAttentionConfig) -
     }
     if cfg.moe is None:
         out["first_k_dense_replace"] = cfg.num_layers
+    if cfg.mtp_num_layers:  # the release's key; DeepseekV32Config keeps it as an extra attribute
+        out["num_nextn_predict_layers"] = cfg.mtp_num_layers
     return out
 
 
@@ -405,7 +402,7 @@ def _expressible(cfg: FoundationConfig, **required: Any) -> None:
 
 def _deepseek_v32_moe_to_hf(cfg: FoundationConfig, moe: MoEConfig) -> dict[str, Any]:
     out = _deepseek_v3_moe_to_hf(cfg, moe)
-    del out["num_nextn_predict_layers"]  # not a DeepseekV32Config key (its MTP is not mapped)
+    del out["num_nextn_predict_layers"]  # written with the indexer's keys, only with MTP layers
     return out
 
 

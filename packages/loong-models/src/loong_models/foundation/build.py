@@ -41,6 +41,7 @@ def build_transformer_config(cfg: FoundationConfig, **runtime: Any) -> Transform
         add_qkv_bias=fam.qkv_bias,
         qk_layernorm=fam.qk_norm,
         init_method_std=cfg.init_method_std,
+        embedding_init_method_std=cfg.embedding_init_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )

@@ -89,6 +89,13 @@ class FoundationConfig:
     norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
+    # Std of the word embeddings at random init; None = init_method_std. Large MoE models set 1.0:
+    # at 0.02 the first attention's output (under near-uniform causal attention, a running mean of
+    # the prefix's values, nearly the same vector for neighbouring tokens) outweighs each token's
+    # embedding, so every router sees almost the same input and sends all tokens to the same top-k
+    # experts (load imbalance 14.6 of at most 16 at qwen3-30b-a3b's shape). Untied embeddings only:
+    # a tied output layer would turn a std of 1.0 into logits of std sqrt(hidden).
+    embedding_init_std: float | None = None
     # Pad the embedding table to a multiple of this (kernel-friendly shapes). Kept independent of
     # the tensor-parallel size so that checkpoints keep one shape for every TP layout.
     make_vocab_size_divisible_by: int = 128
@@ -149,6 +156,8 @@ class FoundationConfig:
             raise ValueError(f"{prefix}.mtp_num_layers={self.mtp_num_layers}; expected null (no MTP) or >= 1")
         if self.mtp_loss_scaling_factor < 0:
             raise ValueError(f"{prefix}.mtp_loss_scaling_factor={self.mtp_loss_scaling_factor}; expected >= 0")
+        if self.embedding_init_std is not None:
+            self._validate_embedding_init(prefix)
         if self.rope_scaling is not None:
             self._validate_rope_scaling(prefix)
 
@@ -166,6 +175,16 @@ class FoundationConfig:
                         f"{prefix}.rope_scaling.{key}={getattr(rs, key)}: megatron-core implements "
                         f"Llama-3 scaling with {key}={expected} only"
                     )
+
+    def _validate_embedding_init(self, prefix: str) -> None:
+        std = self.embedding_init_std
+        if std <= 0:
+            raise ValueError(f"{prefix}.embedding_init_std={std}; expected > 0 or null (= init_method_std)")
+        if self.tie_word_embeddings and std > 0.1:
+            raise ValueError(
+                f"{prefix}.embedding_init_std={std} with tie_word_embeddings=true: the tied output layer "
+                f"would start with logits of std {std} * sqrt(hidden_size); expected <= 0.1 or untied"
+            )
 
     def _validate_recompute_modules(self, prefix: str) -> None:
         if self.recompute_modules is None:
