@@ -29,7 +29,11 @@ def policy_forward_step(device: torch.device, data_iterator, model, return_sched
     samples, chunk steps and real action dims, with its element count (the global mean then
     weighs every element the same whatever the DP or micro-batch split)."""
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-    loss_sum, count = model(batch, reduction="sum")
+    # bf16 weights (train.dtype=bf16) meet fp32 frames, noisy actions and time embeddings: autocast
+    # runs each matmul in the weights' dtype (megatron's Float16Module casts only positional inputs)
+    dtype = next(model.parameters()).dtype
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss_sum, count = model(batch, reduction="sum")
     return loss_sum, partial(_flow_loss, count)
 
 

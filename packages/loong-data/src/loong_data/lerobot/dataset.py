@@ -3,7 +3,8 @@
 Frame ``i`` gives its state and camera images, its task, and the action chunk of horizon ``H``:
 the actions of frames ``i .. i+H-1`` of the same episode, the last one repeated past the
 episode's end (``action_is_pad`` marks those), as LeRobot's ``delta_timestamps`` windows do.
-Numeric columns are held in memory (small); images stay encoded until a frame is read.
+Numeric columns are held in memory (small); images stay encoded until a frame is read, and cameras
+stored as mp4 (dtype ``video``) are decoded by timestamp when read (:mod:`loong_data.lerobot.video`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from loong_data.lerobot.meta import DatasetMeta, read_meta
+from loong_data.lerobot.video import TOLERANCE_S, decode_frames, episode_videos
 
 
 def _column(table: pa.Table, key: str, path: Path) -> pa.ChunkedArray:
@@ -27,18 +29,17 @@ def _column(table: pa.Table, key: str, path: Path) -> pa.ChunkedArray:
 
 class LeRobotDataset:
     def __init__(self, root: str | Path, *, horizon: int, state_key: str = "observation.state",
-                 action_key: str = "action") -> None:  # fmt: skip
+                 action_key: str = "action", tolerance_s: float = TOLERANCE_S) -> None:  # fmt: skip
         self.meta: DatasetMeta = read_meta(root)
         self.horizon, self.state_key, self.action_key = horizon, state_key, action_key
+        self.tolerance_s = tolerance_s
         self.camera_keys = self.meta.camera_keys()
         for key in (state_key, action_key):
             if key not in self.meta.features:
                 raise KeyError(f"{self.meta.root}/meta/info.json: no feature {key!r} "
                                f"(features: {', '.join(self.meta.features)})")  # fmt: skip
-        videos = [k for k in self.camera_keys if self.meta.features[k]["dtype"] == "video"]
-        if videos:
-            raise NotImplementedError(f"{self.meta.root}: camera {videos[0]!r} is stored as video; "
-                                      "this reader decodes image frames only")  # fmt: skip
+        video_keys = [k for k in self.camera_keys if self.meta.features[k]["dtype"] == "video"]
+        self.videos = {k: episode_videos(self.meta, k) for k in video_keys}  # per camera: episode -> file
         self._load()
 
     def _load(self) -> None:
@@ -48,11 +49,13 @@ class LeRobotDataset:
             raise FileNotFoundError(f"{root}/data: no parquet files")
         tables = [pq.read_table(f) for f in files]
         floats = (self.state_key, self.action_key)
-        numeric = {k: [] for k in ("index", "episode_index", "frame_index", "task_index", *floats)}
-        images = {k: [] for k in self.camera_keys}
+        numeric = {
+            k: [] for k in ("index", "episode_index", "frame_index", "task_index", "timestamp", *floats)
+        }
+        images = {k: [] for k in self.camera_keys if k not in self.videos}
         for f, t in zip(files, tables):
             for k in numeric:
-                dtype = np.float32 if k in floats else np.int64
+                dtype = np.float32 if k in (*floats, "timestamp") else np.int64
                 numeric[k].append(np.asarray(_column(t, k, f).to_pylist(), dtype=dtype))
             for k in images:
                 images[k] += [cell["bytes"] for cell in _column(t, k, f).to_pylist()]
@@ -69,7 +72,16 @@ class LeRobotDataset:
 
     def image(self, key: str, i: int) -> np.ndarray:
         """Camera ``key`` of frame ``i``, uint8 [H, W, 3]."""
-        return np.asarray(Image.open(io.BytesIO(self.images[key][i])).convert("RGB"))
+        if key not in self.videos:
+            return np.asarray(Image.open(io.BytesIO(self.images[key][i])).convert("RGB"))
+        episode = int(self.columns["episode_index"][i])
+        if episode not in self.videos[key]:
+            raise KeyError(
+                f"{self.meta.root}/meta/episodes: no video of camera {key!r} for episode {episode}"
+            )
+        video = self.videos[key][episode]
+        t = video.offset_s + float(self.columns["timestamp"][i])  # as LeRobot: from_timestamp + timestamp
+        return decode_frames(video.path, [t], episode=episode, tolerance_s=self.tolerance_s)[0]
 
     def action_chunk(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         rows = np.arange(i, i + self.horizon)

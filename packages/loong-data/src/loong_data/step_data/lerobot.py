@@ -8,6 +8,7 @@ policy draws its flow noise and time, so that a sample's draw does not depend on
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,6 +20,17 @@ from loong_data.lerobot import LeRobotDataset, Pi05BatchConfig, Pi05Batcher
 from loong_data.sampler import DistributedBatchSampler
 from loong_data.step_data.config import DataConfig
 from loong_data.step_data.layout import DataError, StepCounts, StepLayout
+
+
+def lerobot_digest(microbatches: list[dict]) -> int:
+    """CRC-32 of the step's prompt tokens, actions and sample ids: two stacks (or two runs) that
+    report the same digest trained on the same samples (the Pi0.5 benchmark asserts it)."""
+    crc = 0
+    for mb in microbatches:
+        for key in ("tokens", "actions", "sample_ids"):
+            if key in mb:
+                crc = zlib.crc32(mb[key].contiguous().numpy().tobytes(), crc)
+    return crc
 
 
 @dataclass
@@ -73,10 +85,14 @@ class LeRobotStepData:
             int(b["token_mask"].sum()) + b["actions"].shape[0] * b["actions"].shape[1] for b in microbatches
         )
         images = sum(int(b["image_masks"].sum()) for b in microbatches)
-        totals = torch.tensor([tokens, images], device=self.layout.device)
+        samples = sum(int(b["actions"].shape[0]) for b in microbatches)
+        totals = torch.tensor(
+            [tokens, images, samples, lerobot_digest(microbatches)], device=self.layout.device
+        )
         if self.layout.dp_group is not None and self.layout.dp_size > 1:
             torch.distributed.all_reduce(totals, group=self.layout.dp_group)
-        return StepCounts(tokens=int(totals[0]), images=int(totals[1]))
+        return StepCounts(tokens=int(totals[0]), images=int(totals[1]), samples=int(totals[2]),
+                          digest=int(totals[3]) % 2**32)  # fmt: skip
 
 
 def load_lerobot_data(cfg: DataConfig, layout: StepLayout) -> LeRobotStepData:

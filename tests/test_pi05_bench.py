@@ -1,0 +1,36 @@
+"""bench/pi05_throughput.py at the tiny shape on CPU: the real train app (bf16) and the LeRobot-side
+worker (the transcription; the lerobot wheel cannot install next to the workspace's torch) train
+the same samples, and the script reports both stacks' samples/s and their ratio."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+from pi05_throughput import Row, check_same_data  # noqa: E402
+
+
+def test_pi05_bench_trains_both_stacks_on_the_same_samples_and_reports_the_ratio(tmp_path):
+    out = tmp_path / "figures.json"
+    cmd = [sys.executable, str(BENCH / "pi05_throughput.py"), "--model", "pi05-tiny", "--device", "cpu",
+           "--reference", "transcription", "--steps", "3", "--warmup", "1", "--batch", "2", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "dtype bfloat16" in proc.stdout  # Loong trained at the precision asked for
+    figures = json.loads(out.read_text())
+    assert figures["steps_compared"] == 2
+    assert figures["loong_samples_per_s"] > 0 and figures["reference_samples_per_s"] > 0
+    ratio = figures["loong_samples_per_s"] / figures["reference_samples_per_s"]
+    assert figures["ratio"] == pytest.approx(ratio)
+
+
+def test_pi05_bench_refuses_stacks_that_trained_different_samples():
+    same = [{"samples": 2, "digest": 7}, {"samples": 2, "digest": 9}]
+    a, b = Row("a", [1.0, 1.0], 0.0, same), Row("b", [1.0, 1.0], 0.0, [same[0], {"samples": 2, "digest": 8}])
+    check_same_data(a, Row("c", [1.0, 1.0], 0.0, list(same)))
+    with pytest.raises(SystemExit, match="different data at step 2"):
+        check_same_data(a, b)
