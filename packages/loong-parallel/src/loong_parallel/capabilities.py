@@ -67,8 +67,12 @@ def require_precision(model: ModelConfig, accel: Accelerator, prefix: str = "mod
 
 
 def _te_version() -> str | None:
-    try:
-        import transformer_engine
-    except ImportError:
-        return None
-    return str(transformer_engine.__version__)
+    # the installed distribution's version: loong-parallel does not import TE itself
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist_name in ("transformer-engine", "transformer_engine"):
+        try:
+            return version(dist_name)
+        except PackageNotFoundError:
+            continue
+    return None

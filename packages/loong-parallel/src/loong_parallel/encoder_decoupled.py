@@ -36,7 +36,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_model_config
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from loong_parallel.encoder_layout import split_media
+from loong_parallel.balance import split_media
 
 # (pixels key, grid key) of each media kind, in the order OmniCombinationModel merges them
 MEDIA = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))

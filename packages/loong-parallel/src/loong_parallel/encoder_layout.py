@@ -28,17 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from loong_parallel.balance import MultimodalCost, QuadraticCost, balance_assignment, vision_sizes
+from loong_parallel.balance import MultimodalCost, QuadraticCost, split_media
 from loong_parallel.config import EncoderLayout
-
-
-def split_media(grids: list[tuple[int, int, int]], num_ranks: int, cost: Callable) -> np.ndarray:
-    """The TP rank that encodes each image / video (``(t, h, w)`` patch grids), balancing
-    ``cost(sizes [n, 3])`` (tokens column unused: 0). Deterministic."""
-    if not grids:
-        return np.zeros(0, dtype=np.int64)
-    sizes = np.array([[0, *vision_sizes([g])] for g in grids], dtype=np.float64)
-    return balance_assignment(np.asarray(cost(sizes), dtype=np.float64), sizes[:, 1], num_ranks)
 
 
 class GatherVisionTokens(torch.autograd.Function):
@@ -144,7 +135,7 @@ def apply_encoder_layout(model: torch.nn.Module, layout: str, model_cfg, tp_grou
     if layout == EncoderLayout.shared or getattr(model, "image_encoder", None) is None:
         return model
     if layout == EncoderLayout.decoupled:
-        from loong_parallel.encoder_decoupled import DecoupledEncode  # it imports split_media from here
+        from loong_parallel.encoder_decoupled import DecoupledEncode
 
         decoupled = DecoupledEncode(model, vision_cost(model_cfg), dist.get_world_size(tp_group))
         model.vision_encode, model.forward_backward_wrapper, model.finish_build = decoupled, decoupled.wrap, decoupled.setup

@@ -12,7 +12,7 @@ from loong_parallel.balance.cost import (
     segment_features,
 )
 from loong_parallel.balance.exchange import FieldSpec, exchange_samples, field_specs
-from loong_parallel.balance.multimodal import MultimodalCost, vision_sizes
+from loong_parallel.balance.multimodal import MultimodalCost, split_media, vision_sizes
 from loong_parallel.balance.refit import OnlineCostFit
 from loong_parallel.balance.train import TrainBalancer, build_balancer, segment_lengths
 
@@ -28,6 +28,7 @@ __all__ = [
     "SampleCost",
     "TrainBalancer",
     "balance_assignment",
+    "split_media",
     "build_balancer",
     "exchange_samples",
     "field_specs",

@@ -9,11 +9,12 @@ them) and its cost is ``llm(tokens) + patch * patches + frame_sq * sum patches^2
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from loong_parallel.balance.assign import balance_assignment
 from loong_parallel.balance.cost import QuadraticCost, nonnegative_fit, segment_features
 
 
@@ -87,3 +88,12 @@ class MultimodalCost:
         a = self.llm.a or 1.0
         return (f"{self.llm.describe()}; + {self.patch / a:.3g} per ViT patch + {self.frame_sq / a:.3g} "
                 "per squared frame (relative to the LLM's linear term)")
+
+
+def split_media(grids: list[tuple[int, int, int]], num_ranks: int, cost: Callable) -> np.ndarray:
+    """The TP rank that encodes each image / video (``(t, h, w)`` patch grids), balancing
+    ``cost(sizes [n, 3])`` (tokens column unused: 0). Deterministic."""
+    if not grids:
+        return np.zeros(0, dtype=np.int64)
+    sizes = np.array([[0, *vision_sizes([g])] for g in grids], dtype=np.float64)
+    return balance_assignment(np.asarray(cost(sizes), dtype=np.float64), sizes[:, 1], num_ranks)
