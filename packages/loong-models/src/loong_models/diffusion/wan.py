@@ -89,7 +89,10 @@ class WanModel(MegatronModule):
         self.patch_embedding = torch.nn.Conv3d(cfg.in_channels, d, cfg.patch_size, cfg.patch_size, dtype=dt)
         self.time_embedding = torch.nn.ModuleDict({
             "linear_1": torch.nn.Linear(cfg.freq_dim, d, dtype=dt), "linear_2": torch.nn.Linear(d, d, dtype=dt)})  # fmt: skip
-        self.time_projection = _linear(mods.column_linear, d, 6 * d, whole, column=True, name="tproj", gather_output=True)
+        # gathers its output (every rank modulates with all 6 vectors): megatron's local column
+        # linear on every backend, as TE's refuses gather_output (a tiny GEMM on a few timesteps)
+        local_column = dit_modules("local").column_linear
+        self.time_projection = _linear(local_column, d, 6 * d, whole, column=True, name="tproj", gather_output=True)
         self.text_embedding = _TwoLayerMLP(cfg.text_dim, d, whole, mods, "gelu_tanh")
         if cfg.image_dim is not None:
             self.image_norm1 = torch.nn.LayerNorm(cfg.image_dim, dtype=dt)
