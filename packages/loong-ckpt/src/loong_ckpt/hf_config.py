@@ -15,6 +15,7 @@ from loong_ckpt.families import supported_architectures
 from loong_models import FoundationConfig, RopeScaling, get_family
 from loong_models.foundation import MLAConfig, MoEConfig, SparseAttentionConfig
 from loong_models.foundation.config import ROPE_TYPE_FIELDS
+from loong_models.precision import PrecisionConfig
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -450,6 +451,7 @@ def foundation_from_dict(d: dict[str, Any]) -> FoundationConfig:
         ("mla", MLAConfig),
         ("moe", MoEConfig),
         ("sparse_attention", SparseAttentionConfig),
+        ("precision", PrecisionConfig),
     ):
         if isinstance(d.get(key), dict):
             d[key] = cls(**d[key])
