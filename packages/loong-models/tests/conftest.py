@@ -1,1 +1,1 @@
-from loong_xpu.testing import megatron_cpu  # noqa: F401  (a fixture: a one-process megatron world on the CPU)
+from loong_xpu.testing import megatron_cpu, megatron_cuda  # noqa: F401  (fixtures: a one-process megatron world on the CPU / GPU)

@@ -21,8 +21,6 @@ from megatron.core.transformer.spec_utils import build_module
 from loong_kernels import use_implementation
 from loong_kernels.tilelang_support import tilelang_importable
 from loong_models import build_transformer_config, decoder_block_spec, load_model_config
-from loong_xpu import get_accelerator
-from loong_xpu.testing import megatron_world
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,12 +28,6 @@ pytestmark = [
     pytest.mark.skipif(not tilelang_importable(), reason="needs tilelang"),
 ]
 S, B = 512, 2
-
-
-@pytest.fixture(scope="module")
-def megatron_cuda():
-    with megatron_world(get_accelerator("cuda")):
-        yield
 
 
 def _attention(topk: int):

@@ -12,20 +12,12 @@ import torch
 
 from loong_models import FoundationConfig, LoraConfig, ModelConfig, build_model, build_transformer_config
 from loong_models.specs import te_installed
-from loong_xpu import get_accelerator
-from loong_xpu.testing import megatron_world
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(not te_installed(), reason="needs transformer-engine"),
 ]
-
-
-@pytest.fixture(scope="module")
-def megatron_cuda():
-    with megatron_world(get_accelerator("cuda")):
-        yield
 
 
 def _build(lora: LoraConfig | None, backend: str = "te"):

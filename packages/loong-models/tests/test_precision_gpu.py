@@ -16,7 +16,6 @@ from loong_models import FoundationConfig, ModelConfig, build_model, build_trans
 from loong_models.precision import PrecisionConfig, decide_modules, load_policy, precision_fields
 from loong_models.specs import te_installed
 from loong_xpu import get_accelerator
-from loong_xpu.testing import megatron_world
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,12 +23,6 @@ pytestmark = [
     pytest.mark.skipif(not te_installed(), reason="needs transformer-engine"),
 ]
 SEQ, BATCH = 128, 2
-
-
-@pytest.fixture(scope="module")
-def megatron_cuda():
-    with megatron_world(get_accelerator("cuda")):
-        yield
 
 
 def policy_file(tmp_path, recipe: str):

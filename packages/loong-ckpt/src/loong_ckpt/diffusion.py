@@ -180,12 +180,8 @@ def wan_from_diffusers(hf: dict[str, Any], source: str) -> WanConfig:
 
 def wan_to_diffusers(cfg: WanConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """diffusers config.json of ``cfg``; ``base`` (the source config) is kept if it describes it."""
-    if base is not None:
-        try:
-            if _arch(wan_from_diffusers(base, "config.json")) == _arch(cfg):
-                return dict(base)
-        except (ConversionError, KeyError):
-            pass
+    if base is not None and _describes(base, cfg, lambda b: wan_from_diffusers(b, "config.json")):
+        return dict(base)
     out = {"_class_name": CLASS_NAME, "patch_size": list(cfg.patch_size), "qk_norm": "rms_norm_across_heads",
            "added_kv_proj_dim": cfg.dim if cfg.image_dim is not None else None, "pos_embed_seq_len": None}  # fmt: skip
     out.update({k: getattr(cfg, k) for k in _SAME})
@@ -225,12 +221,9 @@ def wan_from_release(hf: dict[str, Any], source: str, image_dim: int | None = No
 
 def wan_to_release(cfg: WanConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The release's config.json of ``cfg``; ``base`` (the source config) is kept if it describes it."""
-    if base is not None and base.get("_class_name") == RELEASE_CLASS:
-        try:
-            if _arch(wan_from_release(base, "config.json", cfg.image_dim)) == _arch(cfg):
-                return dict(base)
-        except (ConversionError, KeyError):
-            pass
+    read = lambda b: wan_from_release(b, "config.json", cfg.image_dim)  # noqa: E731
+    if base is not None and base.get("_class_name") == RELEASE_CLASS and _describes(base, cfg, read):
+        return dict(base)
     return {"_class_name": RELEASE_CLASS, "model_type": "t2v" if cfg.image_dim is None else "i2v", "dim": cfg.dim,
             "eps": cfg.eps, "ffn_dim": cfg.ffn_dim, "freq_dim": cfg.freq_dim, "in_dim": cfg.in_channels,
             "num_heads": cfg.num_attention_heads, "num_layers": cfg.num_layers, "out_dim": cfg.out_channels,
@@ -282,6 +275,15 @@ def _read_wan(reader: HFReader, source: str) -> tuple[WanConfig, WanLayout]:
 
 def _arch(cfg: WanConfig) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in (*_SAME, "patch_size")}
+
+
+def _describes(base: dict[str, Any], cfg: WanConfig, read: Callable[[dict[str, Any]], WanConfig]) -> bool:
+    """Whether the source config ``base`` (parsed by ``read``) has ``cfg``'s architecture, so that an
+    export can keep it; one that does not parse does not (the export writes a fresh config)."""
+    try:
+        return _arch(read(base)) == _arch(cfg)
+    except (ConversionError, KeyError):
+        return False
 
 
 # --- the model's checkpoint template ----------------------------------------------------------

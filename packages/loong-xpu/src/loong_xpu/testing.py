@@ -76,3 +76,10 @@ def megatron_cpu() -> Iterator[None]:
     """:func:`megatron_world` on the CPU, for the duration of a test module."""
     with megatron_world(get_accelerator("cpu")):
         yield
+
+
+@pytest.fixture(scope="module")
+def megatron_cuda() -> Iterator[None]:
+    """:func:`megatron_world` on the first CUDA device, for the duration of a (GPU) test module."""
+    with megatron_world(get_accelerator("cuda")):
+        yield
