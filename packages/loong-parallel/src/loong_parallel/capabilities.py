@@ -70,9 +70,7 @@ def _te_version() -> str | None:
     # the installed distribution's version: loong-parallel does not import TE itself
     from importlib.metadata import PackageNotFoundError, version
 
-    for dist_name in ("transformer-engine", "transformer_engine"):
-        try:
-            return version(dist_name)
-        except PackageNotFoundError:
-            continue
-    return None
+    try:
+        return version("transformer-engine")  # importlib.metadata normalises the name's spelling
+    except PackageNotFoundError:
+        return None
