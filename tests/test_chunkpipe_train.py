@@ -1,33 +1,61 @@
-"""ChunkPipe through the real train app (``parallel.chunkpipe.chunk_size``): on packed documents
-(THD, segments crossing chunk boundaries) and on chat SFT (loss on the assistant's tokens), every
-step's loss and the evaluation loss equal the unchunked run's (fp32); the config refuses what it
-cannot combine with, naming the key."""
+"""ChunkPipe through the real train app (``parallel.chunkpipe.chunk_size``), in one torchrun
+launch of 2 gloo processes (tests/chunkpipe_runs.py): on packed documents (THD, segments crossing
+chunk boundaries) and on chat SFT (loss on the assistant's tokens), ChunkPipe across 2 pipeline
+stages (and, on packed documents, at DP=2) has every step's loss, every parameter's gradient and
+the evaluation loss of the unchunked PP=1 run (fp32, 1e-5); the config refuses what it cannot
+combine with, naming the key."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 
 from loong_train.main import to_config
 from loong_train.schema import ConfigError, validate
+from loong_xpu.testing import launch_env
 
-RUN = ["train.micro_batch_size=1", "train.global_batch_size=2", "train.dtype=fp32", "train.steps=3",
-       "train.eval_interval=0", "train.eval_iters=1", "train.save_final=false"]  # fmt: skip
+TOL = 1e-5
 DATA = {
-    "packed": ["data.packing=thd", "data.seq_length=96", "data.thd.median_length=24", "data.thd.strategy=sequential"],
-    "sft": ["phase=sft", "model.foundation.vocab_size=8320", "data.seq_length=64"],
+    "packed": "data.packing=thd;data.seq_length=96;data.thd.median_length=24;data.thd.strategy=sequential",
+    "sft": "phase=sft;model.foundation.vocab_size=8320;data.seq_length=64",
 }
+CHUNKED = "parallel.chunkpipe.chunk_size=20"
+# eval_iters counts micro-batches per DP rank: at PP=2 (DP=1) two of them are the DP=2 run's pair
+LAYOUTS = {"ref": "", "chunkpipe-dp2": CHUNKED, "chunkpipe-pp2": f"{CHUNKED};parallel.pp=2;train.eval_iters=2"}  # fmt: skip
+RUNS = [(d, lay) for d in DATA for lay in LAYOUTS if d == "packed" or lay != "chunkpipe-dp2"]
 
 
-@pytest.mark.parametrize("data", ["packed", "sft"])
-def test_chunkpipe_training_has_the_losses_of_the_unchunked_run(run_train, data):
-    plain = run_train([*DATA[data], *RUN], name=f"{data}-plain").check()
-    chunked = run_train([*DATA[data], *RUN, "parallel.chunkpipe.chunk_size=20"], name=f"{data}-chunked").check()
-    assert "ChunkPipe: chunks of 20 tokens" in chunked.stderr + chunked.stdout
-    ref, got = plain.losses(), chunked.losses()
-    assert sorted(got) == sorted(ref) == [1, 2, 3]
-    for step in ref:  # step 2 and 3 follow updates made from ChunkPipe's gradients
-        assert got[step] == pytest.approx(ref[step], abs=1e-5), (step, got, ref)
-    (ref_val,), (got_val,) = ([r["loss"] for r in run.records("val")] for run in (plain, chunked))
-    assert got_val == pytest.approx(ref_val, abs=1e-5)
+@pytest.fixture(scope="module")
+def records(tmp_path_factory, data_cache) -> dict:
+    out = tmp_path_factory.mktemp("chunkpipe") / "records.pt"
+    specs = [f"{d}-{lay}=data.cache_dir={data_cache};{DATA[d]};{LAYOUTS[lay]}" for d, lay in RUNS]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           str(Path(__file__).with_name("chunkpipe_runs.py")), str(out), *specs]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=out.parent, env=launch_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return torch.load(out)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("data, layout", [r for r in RUNS if r[1] != "ref"], ids=lambda x: x)
+def test_chunkpipe_training_has_the_losses_and_gradients_of_the_unchunked_run(records, data, layout):
+    ref, got = records[f"{data}-ref"], records[f"{data}-{layout}"]
+    assert len(got["losses"]) == len(ref["losses"]) == 3
+    # steps 2 and 3 follow updates made from ChunkPipe's gradients
+    for step, (a, b) in enumerate(zip(ref["losses"], got["losses"]), 1):
+        assert b == pytest.approx(a, abs=TOL), (step, got["losses"], ref["losses"])
+    for step, (a, b) in enumerate(zip(ref["grads"], got["grads"]), 1):
+        if "output_layer.weight" in b and "output_layer.weight" not in a:
+            # tied embeddings under PP: the last stage's output layer is a copy of the input
+            # embedding, and megatron makes their gradients the embedding's whole gradient
+            a = {**a, "output_layer.weight": a["embedding.word_embeddings.weight"]}
+        assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=TOL, atol=TOL, msg=f"step {step}: {name}")
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], abs=TOL)
 
 
 def compose_config(*overrides: str):
