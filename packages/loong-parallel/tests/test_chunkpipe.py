@@ -1,6 +1,7 @@
 """ChunkPipe (PP = 1) against the unchunked run of the same sample, in fp32 on the CPU: the loss
 and every parameter's gradient agree to 1e-5, for a plain and a packed (several documents) sample,
-with chunk boundaries that fall inside documents; a chunk's attention equals the matching rows
+with chunk boundaries that fall inside documents, on a GQA (Llama) and an MLA (DeepSeek-V3,
+dense) model; a chunk's attention equals the matching rows
 of full causal attention (RoPE offset, bottom-right alignment); and what a step holds per token
 of the sample is its key/value cache."""
 
@@ -21,11 +22,22 @@ SEQ = 48
 TOL = 1e-5
 
 
-def _tiny_model(**overrides):
-    cfg = load_model_config("tiny", ["foundation.num_layers=2", "foundation.hidden_size=64",
-                                     "foundation.ffn_hidden_size=128", "foundation.kv_channels=16",
-                                     "foundation.num_attention_heads=4", "foundation.num_query_groups=2",
-                                     "layer_backend=local"])  # fmt: skip
+TINY_GQA = ["foundation.num_layers=2", "foundation.hidden_size=64", "foundation.ffn_hidden_size=128",
+            "foundation.kv_channels=16", "foundation.num_attention_heads=4", "foundation.num_query_groups=2"]  # fmt: skip
+# DeepSeek-V3's MLA (q / kv latents, decoupled rotary key; a dense layer, then an MoE layer routed
+# per token): without the balancing loss and expert bias, which see the whole micro-batch
+TINY_MLA = ["foundation.moe.load_balancing=none", "foundation.moe.aux_loss_coeff=0.0",
+            "foundation.moe.expert_bias=false"]  # fmt: skip
+# DeepSeek-V3's long-context RoPE (each MLA layer's table comes with its attention scale), with
+# positions beyond the original length
+YARN = ["+foundation.rope_scaling={type: yarn, factor: 4.0, original_max_position_embeddings: 16, mscale: 1.0, "
+        "mscale_all_dim: 1.0}"]  # fmt: skip
+MODELS = {"gqa": ("tiny", TINY_GQA), "mla": ("deepseek-v3-tiny", TINY_MLA),
+          "mla-yarn": ("deepseek-v3-tiny", TINY_MLA + YARN)}  # fmt: skip
+
+
+def _tiny_model(name: str = "tiny", overrides: list[str] = TINY_GQA):
+    cfg = load_model_config(name, [*overrides, "layer_backend=local"])
     tconfig = build_transformer_config(cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True,
                                        calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
     torch.manual_seed(0)
@@ -57,10 +69,14 @@ def _unchunked(model, batch):
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("chunk_size", [12, 20], ids=["4-chunks", "uneven-chunks"])
+@pytest.mark.parametrize(
+    "attention, chunk_size",
+    [("gqa", 12), ("gqa", 20), ("mla", 12), ("mla-yarn", 20)],
+    ids=["gqa-4-chunks", "gqa-uneven-chunks", "mla-4-chunks", "mla-yarn-uneven-chunks"],
+)
 @pytest.mark.parametrize("docs", [None, [7, 19, 2, 20]], ids=["plain", "packed"])
-def test_chunked_loss_and_gradients_equal_the_unchunked_run(megatron_cpu, chunk_size, docs):
-    model, vocab = _tiny_model()
+def test_chunked_loss_and_gradients_equal_the_unchunked_run(megatron_cpu, attention, chunk_size, docs):
+    model, vocab = _tiny_model(*MODELS[attention])
     batch = _sample(vocab, docs)
     ref_loss, ref_grads = _unchunked(model, batch)
     state = enable_chunkpipe(model)
@@ -93,9 +109,9 @@ def test_each_chunk_reproduces_its_rows_of_the_full_sequence(megatron_cpu):
 
 
 def test_models_chunkpipe_cannot_run_are_refused(megatron_cpu):
-    cfg = load_model_config("deepseek-v3-tiny", ["layer_backend=local"])
+    cfg = load_model_config("deepseek-v32-tiny", ["layer_backend=local"])
     tconfig = build_transformer_config(cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True)
-    with pytest.raises(ValueError, match="MLA"):
+    with pytest.raises(ValueError, match=r"sparse attention \(model.foundation.sparse_attention\)"):
         enable_chunkpipe(build_model(cfg, tconfig, device_type="cpu"))
 
 

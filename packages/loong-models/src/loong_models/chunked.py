@@ -10,12 +10,15 @@ schedule (loong-parallel's :mod:`loong_parallel.chunkpipe`) runs backward in rev
 so a chunk's keys / values receive that sum within its own backward.
 
 Memory: per layer, one ``[S, b, groups, head_dim]`` buffer each for keys, values and their two
-gradients, allocated once per sample; a chunk's attention reads a view of it (no concatenation,
+gradients (MLA: the decompressed ``[S, b, heads, qk_head_dim + rope_dim]`` keys and
+``[S, b, heads, v_head_dim]`` values), allocated once per sample; a chunk's attention reads a view of it (no concatenation,
 and nothing else of the chunk, e.g. the fused QKV projection a value is a view of, stays alive).
 
 Packed (THD) samples: a query sees a key only within its own segment (``boundaries``), and RoPE
 positions restart per segment, across chunk boundaries too. Supported: rotary-embedding GQA / MHA
-models (Llama, Qwen); MLA computes RoPE inside its attention and is refused.
+models (Llama, Qwen) and multi-latent attention (DeepSeek-V3 MLA: each layer's own RoPE reads
+the chunk's positions, and the keys / values that reach the core attention, decompressed with
+the rotary key part appended, are what is cached). DeepSeek sparse attention (DSA) is refused.
 """
 
 from __future__ import annotations
@@ -67,13 +70,15 @@ class ChunkState:
     def begin_chunk(self, chunk: int, start: int, end: int, *, build_cache: bool) -> None:
         self.chunk, self.start, self.end, self.build_cache = chunk, start, end, build_cache
 
-    def layer_cache(self, layer: int, like: torch.Tensor) -> _LayerCache:
+    def layer_cache(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> _LayerCache:
         """The layer's cache, allocated on its first chunk for the sample's length (the only
-        per-token memory ChunkPipe holds: keys, values and their gradients)."""
+        per-token memory ChunkPipe holds: keys, values and their gradients; MLA's values have
+        another head size than its keys)."""
         if self.cache[layer] is None:
-            shape = (len(self.positions), *like.shape[1:])
-            buffers = (torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(4))
-            self.cache[layer] = _LayerCache(*buffers)
+            rows = len(self.positions)
+            k, v = ([torch.zeros((rows, *x.shape[1:]), dtype=x.dtype, device=x.device) for _ in range(2)]
+                    for x in (key, value))  # fmt: skip
+            self.cache[layer] = _LayerCache(keys=k[0], values=v[0], key_grads=k[1], value_grads=v[1])
         return self.cache[layer]
 
     def cache_bytes(self) -> int:
@@ -122,7 +127,7 @@ class ChunkedAttention:
         if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
             raise ValueError("ChunkPipe attention takes causal chunks of one sample (no mask, bias or THD params)")
         st = self.state
-        c = st.layer_cache(self.layer, key)
+        c = st.layer_cache(self.layer, key, value)
         window = (st.start, st.end, st.build_cache)
         keys = _CacheWindow.apply(key, c.keys, c.key_grads, *window)
         values = _CacheWindow.apply(value, c.values, c.value_grads, *window)
@@ -159,17 +164,20 @@ def _decoder_layers(model: torch.nn.Module) -> list:
 
 def _chunk_rope(rotary, state: ChunkState):
     """RoPE of the current chunk's positions: per segment piece, the table of just its position
-    range (megatron's ``offset``), so no table grows with the sample."""
+    range (megatron's ``offset``), so no table grows with the sample. YaRN (MLA) returns the
+    table with its attention scale, which depends on the config only: it is passed on."""
     original = rotary.forward
 
-    def forward(max_seq_len: int, *args, **kwargs) -> torch.Tensor:
-        parts = []
+    def forward(max_seq_len: int, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, float]:
+        parts, scale = [], None
         for lo, hi in state.segments_in_chunk():
             pos = state.positions[max(state.start, lo) : hi]
             first, last = int(pos.min()), int(pos.max())
-            table = original(last - first + 1, offset=first)  # [n, 1, 1, dim]
+            table = original(last - first + 1, offset=first)  # [n, 1, 1, dim] (YaRN: and its mscale)
+            if isinstance(table, tuple):
+                table, scale = table
             parts.append(table[(pos - first).to(table.device)])
-        return torch.cat(parts)
+        return torch.cat(parts) if scale is None else (torch.cat(parts), scale)
 
     return forward
 
@@ -188,8 +196,12 @@ def enable_chunkpipe(model: torch.nn.Module, fused_attention: bool = True) -> Ch
     causal mask (TE's: the fused kernels of the unchunked run); False, or a local layer
     backend, runs torch's scaled-dot-product attention."""
     cfg = model.config
-    if getattr(cfg, "multi_latent_attention", False):
-        raise ValueError("ChunkPipe supports GQA / MHA attention; MLA (model.foundation.mla) is not supported yet")
+    mla = bool(getattr(cfg, "multi_latent_attention", False))
+    if mla and getattr(cfg, "dsa_indexer_topk", None) is not None:
+        raise ValueError("ChunkPipe supports dense MLA; DeepSeek sparse attention (model.foundation.sparse_attention) "
+                         "is not supported")  # fmt: skip
+    if mla and cfg.apply_rope_fusion:  # fused MLA RoPE reads cached cos/sin tables, not the chunk's positions
+        raise ValueError("ChunkPipe with MLA needs unfused RoPE (apply_rope_fusion=False)")
     if cfg.mtp_num_layers:  # megatron's MTP shifts tokens across the whole sample, not per chunk
         raise ValueError("ChunkPipe does not support multi-token prediction; set model.foundation.mtp_num_layers=null")
     if getattr(model, "position_embedding_type", "rope") != "rope":
@@ -215,9 +227,16 @@ def enable_chunkpipe(model: torch.nn.Module, fused_attention: bool = True) -> Ch
             scale = cfg.kv_channels**-0.5
         fused = core.forward if fused_attention and _takes_mask_type(core) else None
         core.forward = ChunkedAttention(i, state, scale, fused)
-    if getattr(model, "rotary_pos_emb", None) is not None:
-        model.rotary_pos_emb.forward = _chunk_rope(model.rotary_pos_emb, state)
+    for rotary in _rotary_embeddings(model, layers):
+        rotary.forward = _chunk_rope(rotary, state)
     return state
+
+
+def _rotary_embeddings(model: torch.nn.Module, layers: list) -> list[torch.nn.Module]:
+    """The model's RoPE table (GQA: one, passed to every layer) or each layer's own (MLA)."""
+    shared = getattr(model, "rotary_pos_emb", None)
+    own = [getattr(layer.self_attention, "rotary_pos_emb", None) for layer in layers]
+    return [r for r in (shared, *own) if r is not None]
 
 
 __all__ = ["ChunkState", "ChunkedAttention", "enable_chunkpipe"]
