@@ -28,10 +28,10 @@ TINY_GQA = ["foundation.num_layers=2", "foundation.hidden_size=64", "foundation.
 # per token): without the balancing loss and expert bias, which see the whole micro-batch
 TINY_MLA = ["foundation.moe.load_balancing=none", "foundation.moe.aux_loss_coeff=0.0",
             "foundation.moe.expert_bias=false"]  # fmt: skip
-# DeepSeek-V3's long-context RoPE (each MLA layer's table comes with its attention scale), with
-# positions beyond the original length
+# DeepSeek-V3's long-context RoPE, with positions beyond the original length; mscale != mscale_all_dim
+# so that the scale each MLA layer's table comes with is not 1
 YARN = ["+foundation.rope_scaling={type: yarn, factor: 4.0, original_max_position_embeddings: 16, mscale: 1.0, "
-        "mscale_all_dim: 1.0}"]  # fmt: skip
+        "mscale_all_dim: 0.5}"]  # fmt: skip
 MODELS = {"gqa": ("tiny", TINY_GQA), "mla": ("deepseek-v3-tiny", TINY_MLA),
           "mla-yarn": ("deepseek-v3-tiny", TINY_MLA + YARN)}  # fmt: skip
 
