@@ -22,6 +22,8 @@ DATA = {
     "packed": "data.packing=thd;data.seq_length=96;data.thd.median_length=24;data.thd.strategy=sequential",
     "sft": "phase=sft;model.foundation.vocab_size=8320;data.seq_length=64",
 }
+# MoE routed per token, with expert bias (DeepSeek-V3's aux-loss-free balancing), no balancing loss
+MOE_EXACT = ["model.foundation.moe.load_balancing=none", "model.foundation.moe.aux_loss_coeff=0.0"]
 CHUNKED = "parallel.chunkpipe.chunk_size=20"
 # eval_iters counts micro-batches per DP rank: at PP=2 (DP=1) two of them are the DP=2 run's pair
 LAYOUTS = {"ref": "", "chunkpipe-dp2": CHUNKED, "chunkpipe-pp2": f"{CHUNKED};parallel.pp=2;train.eval_iters=2"}  # fmt: skip
@@ -73,9 +75,14 @@ def compose_config(*overrides: str):
          r"parallel.chunkpipe cannot combine with parallel.vpp"),
         (["train.micro_batch_size=2"], 1, r"parallel.chunkpipe cannot combine with train.micro_batch_size=2"),
         (["+model.foundation.recompute=full"], 1, r"cannot combine with model.foundation.recompute=full"),
-        (["model=deepseek-v3-tiny"], 1, r"parallel.chunkpipe cannot combine with an MoE model"),
+        (["model=deepseek-v3-tiny"], 1, r"cannot combine with model.foundation.moe.load_balancing=seq_aux_loss"),
+        (["model=deepseek-v3-tiny", *MOE_EXACT, "+model.foundation.moe.capacity_factor=1.0"], 1,
+         r"cannot combine with model.foundation.moe.capacity_factor"),
+        (["model=deepseek-v3-tiny", *MOE_EXACT, "parallel.ep=2"], 2, r"parallel.chunkpipe cannot combine with parallel.ep > 1"),
+        (["model=deepseek-v32-tiny"], 1, r"parallel.chunkpipe cannot combine with model.foundation.sparse_attention"),
     ],
-    ids=["chunk-size", "cp", "tp", "vpp", "micro-batch", "recompute", "moe"],
+    ids=["chunk-size", "cp", "tp", "vpp", "micro-batch", "recompute", "moe-balancing-loss", "moe-token-dropping",
+         "ep", "dsa"],
 )
 def test_chunkpipe_config_errors_name_what_cannot_combine(overrides, world, message):
     cfg = compose_config("parallel.chunkpipe.chunk_size=16", "train.micro_batch_size=1", *overrides)

@@ -25,9 +25,8 @@ TOL = 1e-5
 TINY_GQA = ["foundation.num_layers=2", "foundation.hidden_size=64", "foundation.ffn_hidden_size=128",
             "foundation.kv_channels=16", "foundation.num_attention_heads=4", "foundation.num_query_groups=2"]  # fmt: skip
 # DeepSeek-V3's MLA (q / kv latents, decoupled rotary key; a dense layer, then an MoE layer routed
-# per token): without the balancing loss and expert bias, which see the whole micro-batch
-TINY_MLA = ["foundation.moe.load_balancing=none", "foundation.moe.aux_loss_coeff=0.0",
-            "foundation.moe.expert_bias=false"]  # fmt: skip
+# per token, with expert bias): without the balancing loss, which sees the whole micro-batch
+TINY_MLA = ["foundation.moe.load_balancing=none", "foundation.moe.aux_loss_coeff=0.0"]
 # DeepSeek-V3's long-context RoPE, with positions beyond the original length; mscale != mscale_all_dim
 # so that the scale each MLA layer's table comes with is not 1
 YARN = ["+foundation.rope_scaling={type: yarn, factor: 4.0, original_max_position_embeddings: 16, mscale: 1.0, "
@@ -79,6 +78,8 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_run(megatron_cpu, attent
     model, vocab = _tiny_model(*MODELS[attention])
     batch = _sample(vocab, docs)
     ref_loss, ref_grads = _unchunked(model, batch)
+    ref_counts = _expert_token_counts(model)
+    assert bool(ref_counts) == attention.startswith("mla")  # the MLA model's second layer is MoE
     state = enable_chunkpipe(model)
     model.zero_grad()
     result = chunkpipe_forward_backward(model, state, batch, chunk_size, torch.device("cpu"))
@@ -86,7 +87,18 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_run(megatron_cpu, attent
     assert abs(result.loss_sum - ref_loss) <= TOL * max(1.0, abs(ref_loss)), (result.loss_sum, ref_loss)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=TOL, atol=TOL, msg=name)
+    # expert bias learns from the tokens each expert got: every token counted once, as unchunked
+    assert [c.tolist() for c in _expert_token_counts(model)] == [c.tolist() for c in ref_counts]
     assert state.cache == []  # the key/value cache is freed with the sample
+
+
+def _expert_token_counts(model) -> list[torch.Tensor]:
+    """The MoE routers' token counts per expert since the last call (then reset)."""
+    routers = [m for m in model.modules() if getattr(m, "local_tokens_per_expert", None) is not None]
+    counts = [r.local_tokens_per_expert.clone() for r in routers]
+    for r in routers:
+        r.local_tokens_per_expert.zero_()
+    return counts
 
 
 def test_each_chunk_reproduces_its_rows_of_the_full_sequence(megatron_cpu):
@@ -108,10 +120,19 @@ def test_each_chunk_reproduces_its_rows_of_the_full_sequence(megatron_cpu):
     state.end_sample()
 
 
-def test_models_chunkpipe_cannot_run_are_refused(megatron_cpu):
-    cfg = load_model_config("deepseek-v32-tiny", ["layer_backend=local"])
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        ("deepseek-v32-tiny", [], r"sparse attention \(model.foundation.sparse_attention\)"),
+        ("deepseek-v3-tiny", [], r"MoE layers with a load-balancing loss \(set model.foundation.moe.load_balancing=none"),
+        ("deepseek-v3-tiny", [*TINY_MLA, "+foundation.moe.capacity_factor=1.25"], r"token dropping"),
+    ],
+    ids=["dsa", "moe-balancing-loss", "moe-token-dropping"],
+)
+def test_models_chunkpipe_cannot_run_are_refused(megatron_cpu, name, overrides, message):
+    cfg = load_model_config(name, [*overrides, "layer_backend=local"])
     tconfig = build_transformer_config(cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True)
-    with pytest.raises(ValueError, match=r"sparse attention \(model.foundation.sparse_attention\)"):
+    with pytest.raises(ValueError, match=message):
         enable_chunkpipe(build_model(cfg, tconfig, device_type="cpu"))
 
 

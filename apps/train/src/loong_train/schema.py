@@ -10,6 +10,7 @@ from enum import StrEnum
 from loong_ckpt.run_dir import ResumeSchedule
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
+from loong_models.foundation import MoEConfig
 from loong_parallel import OptimConfig, ParallelConfig
 from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_parallel.encoder_layout import encoder_layout_errors
@@ -130,21 +131,36 @@ def _cross_package_errors(cfg: Config) -> list[str]:
 
 def _chunkpipe_errors(cfg: Config) -> list[str]:
     """What ChunkPipe (parallel.chunkpipe.chunk_size) cannot run with, beyond the layout's rules
-    (loong_parallel.ParallelConfig): it takes one sample per micro-batch of a GQA / MHA language
-    model and recomputes the chunks itself."""
+    (loong_parallel.ParallelConfig): it takes one sample per micro-batch of a GQA / MHA or MLA
+    language model and recomputes the chunks itself."""
     if cfg.parallel.chunkpipe.chunk_size is None:
         return []
     f, d = cfg.model.foundation, cfg.data
     cannot = {
+        **_chunkpipe_moe_conflicts(f.moe),
         f"train.micro_batch_size={cfg.train.micro_batch_size} (it needs 1: one sample or pack per micro-batch)":
             cfg.train.micro_batch_size != 1,
-        "model.foundation.mla (multi-latent attention)": f.mla is not None,
+        "model.foundation.sparse_attention (DeepSeek sparse attention)": f.sparse_attention is not None,
         "model.foundation.mtp_num_layers (multi-token prediction)": bool(f.mtp_num_layers),
         f"model.foundation.recompute={f.recompute} (ChunkPipe recomputes every chunk but the last itself)":
             f.recompute is not None,
         f"data.kind={d.kind} (ChunkPipe runs language models on token data)": d.kind not in ("text", "chat"),
     }  # fmt: skip
     return [f"parallel.chunkpipe cannot combine with {what}" for what, present in cannot.items() if present]
+
+
+def _chunkpipe_moe_conflicts(moe: MoEConfig | None) -> dict[str, bool]:
+    """MoE layers route each token on its own (chunks route as the sample does); what sees the
+    whole micro-batch cannot be chunked exactly."""
+    if moe is None:
+        return {}
+    return {
+        f"model.foundation.moe.load_balancing={moe.load_balancing} (a balancing loss sees each chunk, not the sample; "
+        "set none and aux_loss_coeff=0, e.g. with expert_bias=true)": moe.load_balancing != "none" and moe.aux_loss_coeff > 0,
+        "model.foundation.moe.z_loss_coeff (the router z-loss averages over each chunk)": bool(moe.z_loss_coeff),
+        "model.foundation.moe.capacity_factor (token dropping depends on the chunk's tokens)":
+            moe.capacity_factor is not None,
+    }  # fmt: skip
 
 
 def _context_parallel_errors(cfg: Config) -> list[str]:

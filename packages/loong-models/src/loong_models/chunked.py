@@ -19,6 +19,10 @@ positions restart per segment, across chunk boundaries too. Supported: rotary-em
 models (Llama, Qwen) and multi-latent attention (DeepSeek-V3 MLA: each layer's own RoPE reads
 the chunk's positions, and the keys / values that reach the core attention, decompressed with
 the rotary key part appended, are what is cached). DeepSeek sparse attention (DSA) is refused.
+MoE layers route every token on its own, so a chunk routes as the whole sample does; the
+expert-bias token counts are taken only in forwards with gradients, which every chunk runs once.
+Refused, because they see a whole micro-batch: load-balancing losses, the router z-loss, token
+dropping (capacity factor), and expert parallelism (DP ranks run different numbers of chunks).
 """
 
 from __future__ import annotations
@@ -202,6 +206,8 @@ def enable_chunkpipe(model: torch.nn.Module, fused_attention: bool = True) -> Ch
                          "is not supported")  # fmt: skip
     if mla and cfg.apply_rope_fusion:  # fused MLA RoPE reads cached cos/sin tables, not the chunk's positions
         raise ValueError("ChunkPipe with MLA needs unfused RoPE (apply_rope_fusion=False)")
+    for what in _moe_conflicts(cfg):
+        raise ValueError(f"ChunkPipe cannot run MoE layers with {what}")
     if cfg.mtp_num_layers:  # megatron's MTP shifts tokens across the whole sample, not per chunk
         raise ValueError("ChunkPipe does not support multi-token prediction; set model.foundation.mtp_num_layers=null")
     if getattr(model, "position_embedding_type", "rope") != "rope":
@@ -230,6 +236,21 @@ def enable_chunkpipe(model: torch.nn.Module, fused_attention: bool = True) -> Ch
     for rotary in _rotary_embeddings(model, layers):
         rotary.forward = _chunk_rope(rotary, state)
     return state
+
+
+def _moe_conflicts(cfg) -> list[str]:
+    """What of an MoE layer sees the whole micro-batch (chunks would change it)."""
+    if not cfg.num_moe_experts:
+        return []
+    coeff = cfg.moe_aux_loss_coeff
+    balancing = cfg.moe_router_load_balancing_type != "none" and any(
+        c > 0 for c in (coeff if isinstance(coeff, list) else [coeff])
+    )
+    cannot = {"a load-balancing loss (set model.foundation.moe.load_balancing=none, aux_loss_coeff=0)": balancing,
+              "the router z-loss (model.foundation.moe.z_loss_coeff)": bool(cfg.moe_z_loss_coeff),
+              "token dropping (model.foundation.moe.capacity_factor)": cfg.moe_expert_capacity_factor is not None,
+              "expert parallelism (parallel.ep > 1)": cfg.expert_model_parallel_size > 1}  # fmt: skip
+    return [what for what, present in cannot.items() if present]
 
 
 def _rotary_embeddings(model: torch.nn.Module, layers: list) -> list[torch.nn.Module]:

@@ -131,7 +131,7 @@ class ParallelConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key}={getattr(self, key)} must be >= 1")
         self._validate_moe(world_size, num_experts, expert_ffn_hidden_size, has_shared_experts)
-        self._validate_chunkpipe(num_experts)
+        self._validate_chunkpipe()
         if num_query_groups % self.tp or num_heads % self.tp:
             raise ValueError(
                 f"parallel.tp={self.tp} must divide the attention heads ({num_heads}) and KV groups "
@@ -171,8 +171,9 @@ class ParallelConfig:
                 raise ValueError(f"parallel.encoder_layout=decoupled does not support parallel.{key}="
                                  f"{getattr(self, key)} yet; use parallel.encoder_layout=shared or hetero_dp")  # fmt: skip
 
-    def _validate_chunkpipe(self, num_experts: int | None) -> None:
-        """What ChunkPipe runs with: data and pipeline parallelism of GQA / MHA models."""
+    def _validate_chunkpipe(self) -> None:
+        """What ChunkPipe runs with: data and pipeline parallelism (the model's own conflicts,
+        e.g. an MoE balancing loss, are loong_models.chunked's)."""
         size = self.chunkpipe.chunk_size
         if size is None:
             return
@@ -180,7 +181,7 @@ class ParallelConfig:
             raise ValueError(f"parallel.chunkpipe.chunk_size={size} must be >= 1 (or null: off)")
         cannot = {"parallel.cp > 1": self.cp > 1, "parallel.tp > 1": self.tp > 1, "parallel.vpp": self.vpp is not None,
                   "parallel.overlap_grad_reduce": self.overlap_grad_reduce, "parallel.moe_a2a_overlap": self.moe_a2a_overlap,
-                  "an MoE model (model.foundation.moe)": num_experts is not None}  # fmt: skip
+                  "parallel.ep > 1": self.ep > 1}  # fmt: skip
         for what, present in cannot.items():
             if present:
                 raise ValueError(f"parallel.chunkpipe cannot combine with {what}: supported are pp >= 1 and dp")
