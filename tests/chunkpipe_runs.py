@@ -5,8 +5,8 @@ with torch.save. One launch instead of one per run saves the process start-up (m
 
     torchrun --standalone --nproc-per-node 2 tests/chunkpipe_runs.py OUT.pt NAME=OVERRIDES;... [NAME=...]
 
-Each run is ``NAME=OVERRIDE;OVERRIDE;...`` (e.g. ``packed-pp2=data.packing=thd;parallel.pp=2``);
-the common overrides (the tiny model, fp32, short runs) come first.
+Each run is ``NAME=OVERRIDE;OVERRIDE;...`` (e.g. ``packed-pp2=data.packing=thd;parallel.pp=2``),
+the train app's config overrides.
 """
 
 import os
@@ -21,12 +21,8 @@ from megatron.core import parallel_state as mpu
 import loong_train
 from loong_parallel import init_distributed, shutdown, unwrap
 from loong_train.main import to_config
-from loong_train.testing import TINY
 from loong_train.trainer import Trainer
 from loong_xpu import get_accelerator
-
-COMMON = ["train.micro_batch_size=1", "train.global_batch_size=2", "train.dtype=fp32", "train.steps=3",
-          "train.eval_interval=0", "train.eval_iters=1", "train.save_final=false"]  # fmt: skip
 
 
 def global_name(name: str, offset: int) -> str:
@@ -72,7 +68,7 @@ def run(name: str, overrides: list[str], out_dir: Path) -> dict:
     config_dir = str(Path(loong_train.__file__).parent / "configs")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = to_config(
-            compose("config", overrides=[*TINY, *COMMON, *overrides, f"train.output_dir={out_dir / name}"])
+            compose("config", overrides=[*overrides, f"train.output_dir={out_dir / name}"])
         )
     trainer = RecordingTrainer(cfg)
     trainer.record = {}
