@@ -21,6 +21,7 @@ class ProfileConfig:
     steps: int = 3  # steps in the window
     row_limit: int = 40  # operators listed in the table
     trace: bool = False  # also write a Chrome trace (large: tens of MB per step on a GPU)
+    dir: str | None = None  # where the reports go (default: train.output_dir/profile)
 
     def errors(self) -> list[str]:
         errors = []
@@ -35,11 +36,12 @@ class ProfileConfig:
 
 class StepProfiler:
     """Starts the profiler before step ``start_step`` and writes its reports after the window's last
-    step (or when the run ends first) into ``out_dir/profile/rank<R>_ops.txt`` (+ ``_trace.json``)."""
+    step (or when the run ends first) into ``<dir>/rank<R>_ops.txt`` (+ ``_trace.json``), ``dir`` by
+    default ``out_dir/profile``."""
 
     def __init__(self, cfg: ProfileConfig, out_dir: Path, *, rank: int, device_type: str):
         self.cfg, self.rank = cfg, rank
-        self.dir = out_dir / "profile"
+        self.dir = Path(cfg.dir) if cfg.dir else out_dir / "profile"
         self.last = cfg.start_step + cfg.steps - 1
         self.on_device = device_type == "cuda"
         self._prof: profile | None = None
