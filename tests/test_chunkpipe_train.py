@@ -37,7 +37,8 @@ CHUNKED = "parallel.chunkpipe.chunk_size=20"
 PP2 = "parallel.pp=2;train.eval_iters=2"
 LAYOUTS = {"ref": "", "pp2": PP2, "chunkpipe-dp2": CHUNKED, "chunkpipe-pp2": f"{CHUNKED};{PP2}"}
 # (data, ChunkPipe layout, the unchunked run it reproduces). DeepSeek-V3-tiny's is the unchunked PP=2
-# run: that one's step-1 loss already differs from PP=1 by ~6e-4, ChunkPipe or not
+# run: at PP=2 the second stage's layer starts from other weights than at PP=1 (this model's
+# seed-only initialisation depends on the layout; the step-1 loss differs by ~6e-4, ChunkPipe or not)
 CASES = [("packed", "chunkpipe-dp2", "ref"), ("packed", "chunkpipe-pp2", "ref"), ("sft", "chunkpipe-pp2", "ref"),
          ("mla", "chunkpipe-pp2", "pp2")]  # fmt: skip
 RUNS = sorted({(d, lay) for d, *layouts in CASES for lay in layouts})
