@@ -10,10 +10,9 @@ from enum import StrEnum
 from loong_ckpt.run_dir import ResumeSchedule
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
-from loong_parallel import OptimConfig, ParallelConfig
+from loong_parallel import OptimConfig, ParallelConfig, ProfileConfig
 from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_parallel.encoder_layout import encoder_layout_errors
-from loong_train.profile import ProfileConfig
 
 
 class DType(StrEnum):

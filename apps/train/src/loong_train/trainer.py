@@ -29,6 +29,7 @@ from loong_parallel import (
     DataParallel,
     ModelKind,
     NonFiniteGuard,
+    StepProfiler,
     StepResult,
     StepWindow,
     build_balancer,
@@ -50,7 +51,6 @@ from loong_parallel import (
     train_step,
 )
 from loong_train.log import logger
-from loong_train.profile import StepProfiler
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
 from loong_xpu import get_accelerator, redirect_cuda
 
