@@ -18,6 +18,10 @@ def runtime_transformer_fields(
     for key in _CUDA_ONLY:
         if getattr(pcfg, key) and device_type != "cuda":
             raise ValueError(f"parallel.{key} needs CUDA (device type here: {device_type})")
+    if pcfg.cuda_graphs != "none" and device_type != "cuda":
+        raise ValueError(
+            f"parallel.cuda_graphs={pcfg.cuda_graphs} needs CUDA (device type here: {device_type})"
+        )
     if pcfg.moe_a2a_overlap and dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             "parallel.moe_a2a_overlap=true needs train.dtype bf16 or fp16 (megatron's requirement)"
@@ -46,4 +50,7 @@ def runtime_transformer_fields(
         # Loss = sum over tokens / tokens in the global batch, whatever the DP or micro-batch split.
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
+        # megatron's per-layer graphs; their RNG must be graph-safe: TE's tracker (seed_everything)
+        cuda_graph_impl=str(pcfg.cuda_graphs),
+        use_te_rng_tracker=pcfg.cuda_graphs != "none",
     )
