@@ -85,7 +85,8 @@ def parse_variants(specs: list[str]) -> list[tuple[str, dict[str, str]]]:
 
 
 def measure_policy(foundation, recipe: str, out: Path) -> Path:
-    """Sweep the model's GEMMs at TP 1 on this GPU (bench/fp8_policy.py) and write the policy."""
+    """Sweep the model's GEMMs at TP 1 on this GPU (bench/fp8_policy.py) and write the policy; a
+    GEMM the recipe fails on counts as never winning."""
     import torch
     import transformer_engine
     from fp8_policy import DEFAULT_TOKENS, gemm_shapes, policy_from_sweep, te_recipe, time_gemm
@@ -96,8 +97,16 @@ def measure_policy(foundation, recipe: str, out: Path) -> Path:
     for g in gemm_shapes(foundation, 1):
         for n in DEFAULT_TOKENS:
             bf16 = time_gemm(g, n, None, iters=10, warmup=3, eps=foundation.norm_epsilon)
-            fp8 = time_gemm(g, n, te_recipe(recipe), iters=10, warmup=3, eps=foundation.norm_epsilon)
+            try:
+                fp8 = time_gemm(g, n, te_recipe(recipe), iters=10, warmup=3, eps=foundation.norm_epsilon)
+            except Exception as e:  # a shape the recipe cannot run: never a win, so BF16
+                print(
+                    f"{g.kind} {g.in_features}->{g.out_features} tokens={n}: {recipe} failed ({e})",
+                    flush=True,
+                )
+                fp8 = math.inf
             sweep.setdefault(g.kind, {}).setdefault(1, []).append((n, bf16, fp8))
+            print(f"  {g.kind:<5} tokens={n:>6}: bf16 {bf16:.3f} ms, {recipe} {fp8:.3f} ms", flush=True)
     policy = policy_from_sweep(sweep, threshold=1.02, gpu_name=torch.cuda.get_device_name(),
                                te_version=str(transformer_engine.__version__), recipe=recipe, path=str(out))  # fmt: skip
     write_policy(policy, out)
