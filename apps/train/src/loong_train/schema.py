@@ -13,6 +13,7 @@ from loong_models import ModelConfig
 from loong_parallel import OptimConfig, ParallelConfig
 from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_parallel.encoder_layout import encoder_layout_errors
+from loong_parallel.runtime import cuda_graph_conflicts
 from loong_train.profile import ProfileConfig
 
 
@@ -127,23 +128,8 @@ def _cross_package_errors(cfg: Config) -> list[str]:
         errors.append(f"data.kind={d.kind} with model.diffusion={'set' if cfg.model.is_diffusion else 'null'}: a "
                       "diffusion model (e.g. model=wan-tiny) trains on data.kind=diffusion, and only it does")  # fmt: skip
     return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
-            + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg) + _cuda_graph_errors(cfg))
+            + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg) + cuda_graph_conflicts(p, cfg.model, d.packing))
 
-
-def _cuda_graph_errors(cfg: Config) -> list[str]:
-    """Megatron's per-layer CUDA graphs (parallel.cuda_graphs) replay one captured shape: every
-    step must feed the layers the same shapes, and only a language model's transformer layers
-    are captured; recomputation is switched off by megatron's graph toggle, so it is refused."""
-    p, m = cfg.parallel, cfg.model
-    if p.cuda_graphs == "none":
-        return []
-    cannot = {
-        "data.packing=thd (a packed step's shapes change with its documents)": cfg.data.packing == "thd",
-        "model.foundation.recompute (megatron drops recomputation around its graphs)": m.foundation.recompute is not None,
-        "a model with an image encoder, a diffusion or an embodied model (only language models are captured)":
-            m.image_encoder is not None or m.is_diffusion or m.is_embodied,
-    }  # fmt: skip
-    return [f"parallel.cuda_graphs={p.cuda_graphs} cannot combine with {what}" for what, bad in cannot.items() if bad]  # fmt: skip
 
 
 def _chunkpipe_errors(cfg: Config) -> list[str]:
