@@ -114,7 +114,8 @@ class WanAttention(MegatronModule):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.heads, self.head_dim))
 
-    def forward(self, x, context=None, rope=None, image=None) -> torch.Tensor:
+    def qkv(self, x, context=None, rope=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [s, b, heads, head_dim]: projected, RMS-normed, RoPE-rotated."""
         if self.cross:
             q, k, v = self.linear_q(x)[0], self.linear_k(context)[0], self.linear_v(context)[0]
         else:
@@ -123,11 +124,17 @@ class WanAttention(MegatronModule):
         q, k, v = self._heads(self.q_norm(q)), self._heads(self.k_norm(k)), self._heads(v)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+        return q, k, v
+
+    def attend(self, q, k, v) -> torch.Tensor:
+        return self.core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+
+    def forward(self, x, context=None, rope=None, image=None) -> torch.Tensor:
+        q, k, v = self.qkv(x, context, rope)
+        out = self.attend(q, k, v)
         if image is not None:
             ki = self._heads(self.k_img_norm(self.linear_k_img(image)[0]))
-            vi = self._heads(self.linear_v_img(image)[0])
-            out = out + self.core_attention(q, ki, vi, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+            out = out + self.attend(q, ki, self._heads(self.linear_v_img(image)[0]))
         return self.linear_proj(out)[0]
 
 
@@ -162,17 +169,37 @@ class WanLayer(MegatronModule):
             torch.nn.LayerNorm(cfg.dim, eps=cfg.eps, dtype=config.params_dtype) if cfg.cross_attn_norm else None
         )
         self.mlp = WanMLP(cfg, config, mods)
+        self.recompute = None  # set by WanDecoder: None, "full" or "keep_attention"
         self.modulation = torch.nn.Parameter(torch.randn(1, 6, cfg.dim, dtype=config.params_dtype) / cfg.dim**0.5)
         # replicated, applied to this rank's part of the sequence: megatron sums their grads over TP
         for p in (self.modulation, *(self.cross_norm.parameters() if self.cross_norm is not None else ())):
             p.sequence_parallel = config.sequence_parallel
 
     def forward(self, x, context, temb, cos, sin, image=None) -> torch.Tensor:
-        """x [s, b, d]; temb [s or 1, b, 6, d] (fp32); cos, sin: RoPE; context [t, b, d]."""
-        rope = (cos, sin)
-        shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.float() + temb).unbind(-2)
+        """x [s, b, d]; temb [s or 1, b, 6, d] (fp32); cos, sin: RoPE; context [t, b, d].
+        With ``recompute=keep_attention`` (training) the parts before and after the self-attention
+        kernel are recomputed in the backward; the kernel's inputs and output are kept."""
+        if self.recompute == "keep_attention" and self.training:
+            from megatron.core.tensor_parallel import checkpoint
+
+            q, k, v = checkpoint(self._self_qkv, False, x, temb, cos, sin)
+            attn = self.self_attention.attend(q, k, v)
+            return checkpoint(self._after_attention, False, x, attn, context, temb, image)
+        q, k, v = self._self_qkv(x, temb, cos, sin)
+        return self._after_attention(x, self.self_attention.attend(q, k, v), context, temb, image)
+
+    def _modulation(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """shift, scale, gate (self-attention), then the same for the FFN."""
+        return (self.modulation.float() + temb).unbind(-2)
+
+    def _self_qkv(self, x, temb, cos, sin):
+        shift, scale = self._modulation(temb)[:2]
         h = (layer_norm(x, self.eps) * (1 + scale) + shift).to(x.dtype)
-        x = (x.float() + self.self_attention(h, rope=rope).float() * gate).to(x.dtype)
+        return self.self_attention.qkv(h, rope=(cos, sin))
+
+    def _after_attention(self, x, attn, context, temb, image) -> torch.Tensor:
+        _, _, gate, c_shift, c_scale, c_gate = self._modulation(temb)
+        x = (x.float() + self.self_attention.linear_proj(attn)[0].float() * gate).to(x.dtype)
         h = (layer_norm(x, self.eps, self.cross_norm) if self.cross_norm is not None else x).to(x.dtype)
         x = x + self.cross_attention(h, context=context, image=image)
         h = (layer_norm(x, self.eps) * (1 + c_scale) + c_shift).to(x.dtype)
@@ -180,20 +207,22 @@ class WanLayer(MegatronModule):
 
 
 class WanDecoder(MegatronModule):
-    """The stack of layers, ``layers.<i>`` in checkpoints (indexed keys), with optional full
-    recompute of each layer in the backward."""
+    """The stack of layers, ``layers.<i>`` in checkpoints (indexed keys); the first
+    ``recompute_num_layers`` (all by default) recompute in the backward as ``recompute`` says."""
 
     def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules,
                  whole: TransformerConfig | None = None) -> None:  # fmt: skip
         super().__init__(config=config)
-        self.recompute = cfg.recompute == "full"
         self.layers = torch.nn.ModuleList(WanLayer(cfg, config, mods, i + 1, whole) for i in range(cfg.num_layers))
+        n = cfg.num_layers if cfg.recompute_num_layers is None else cfg.recompute_num_layers
+        for layer in self.layers[:n]:
+            layer.recompute = cfg.recompute
 
     def forward(self, x, context, temb, rope, image=None) -> torch.Tensor:
         from megatron.core import tensor_parallel
 
         for layer in self.layers:
-            if self.recompute and self.training:
+            if layer.recompute == "full" and self.training:
                 x = tensor_parallel.checkpoint(layer, False, x, context, temb, *rope, image)
             else:
                 x = layer(x, context, temb, *rope, image)
