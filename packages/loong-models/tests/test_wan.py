@@ -138,3 +138,39 @@ def test_recompute_num_layers_is_checked_against_the_layers_and_the_mode():
         load_model_config("wan-tiny", ["diffusion.recompute=full", "diffusion.recompute_num_layers=3"])
     with pytest.raises(ValueError, match=r"model.diffusion.recompute_num_layers=1 .* set \(it is None\)"):
         load_model_config("wan-tiny", ["diffusion.recompute_num_layers=1"])
+
+
+def test_fused_pointwise_kernels_give_the_eager_loss_and_gradients(megatron_cpu):
+    """diffusion.fuse_pointwise=true (torch.compile; inductor's C++ kernels on the CPU, Triton on
+    CUDA) computes what the eager fp32 chains do, with recompute too."""
+    loss, grads = _loss_and_grads(megatron_cpu, [])
+    got_loss, got = _loss_and_grads(megatron_cpu, ["diffusion.fuse_pointwise=true", "diffusion.recompute=keep_attention"])
+    assert got_loss == pytest.approx(loss, rel=1e-6)
+    assert all(torch.allclose(got[n], grads[n], rtol=1e-5, atol=1e-6) for n in grads)
+
+
+def test_patch_tokens_invert_unpatchify_and_cp_parts_cover_each_token_once():
+    from loong_models.diffusion.tokens import context_parallel_part, patch_tokens, unpatchify
+
+    video = torch.randn(2, 3, 4, 6, 8)
+    tokens = patch_tokens(video, (2, 2, 2))
+    assert tokens.shape == (2, 2 * 3 * 4, 8 * 3)
+    assert torch.equal(unpatchify(tokens, (2, 2, 2), (2, 3, 4)), video)
+    assert torch.equal(tokens[:, 0, :3], video[:, :, 0, 0, 0])  # token 0, patch element 0: channels last
+    parts = [context_parallel_part(24, 3, r, multiple=2) for r in range(3)]
+    assert [i for p in parts for i in range(24)[p]] == list(range(24))
+    with pytest.raises(ValueError, match=r"parallel.cp=4 x parallel.tp=4 \(sequence parallel\): a sample's 24 latent"):
+        context_parallel_part(24, 4, 0, multiple=4)
+
+
+def test_the_loss_shares_of_a_samples_token_parts_add_up_to_its_weighted_mse():
+    from loong_models.diffusion.tokens import context_parallel_part, patch_tokens
+
+    fm = FlowMatching(FlowMatchingConfig())
+    batch = fm.prepare(torch.randn(2, 4, 2, 4, 4), [3, 4], seed=0)
+    pred = torch.randn_like(batch.target)
+    whole = fm.per_sample_loss(pred, batch)
+    p, t = patch_tokens(pred, (1, 2, 2)), patch_tokens(batch.target, (1, 2, 2))
+    parts = [context_parallel_part(t.shape[1], 4, r) for r in range(4)]
+    shares = sum(fm.per_sample_loss(p[:, part], batch, target=t[:, part]) for part in parts)
+    assert torch.allclose(shares, whole, rtol=1e-6)

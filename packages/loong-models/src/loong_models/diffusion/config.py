@@ -48,6 +48,9 @@ class WanConfig:
     recompute: DiTRecompute | None = None
     # how many layers (the first ones) recompute; the others keep every activation (null: all)
     recompute_num_layers: int | None = None
+    # torch.compile the layers' pointwise chains (norms, modulation, RoPE, gated residuals: one
+    # kernel each; loong_models.diffusion.pointwise); null: on with the TE backend (CUDA)
+    fuse_pointwise: bool | None = None
     extra: dict = field(default_factory=dict)  # passed to the component's TransformerConfig
 
     @property
