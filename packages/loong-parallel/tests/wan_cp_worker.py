@@ -108,6 +108,7 @@ def run_layout(pcfg: ParallelConfig, accel, weights: dict | None) -> tuple[list,
     tconfig = kind.transformer_config(pcfg, dtype=torch.float32, device_type="cpu")
     chunks = build_model_chunks(kind.provider(tconfig, pcfg, device_type="cpu"), pcfg, tconfig, accel)
     model = unwrap(chunks[0])
+    assert model.cp == pcfg.cp and model.sp == pcfg.sequence_parallel, (model.cp, model.sp)  # the layout reached the DiT
     with torch.no_grad():
         if weights is None:
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
