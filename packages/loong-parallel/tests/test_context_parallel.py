@@ -96,7 +96,8 @@ def test_cp_and_chunkpipe_layouts_match_one_process_in_loss_and_every_gradient(t
 def test_wan_cp_layouts_match_one_process_in_losses_and_every_gradient_over_steps(tmp_path):
     """wan-tiny (fp32, keep_attention recompute) under CP=2 / CP=4 ring, CP=2 all-to-all and
     CP=2 x TP=2 with sequence parallelism, in one 4-process launch: two optimizer steps of two
-    micro-batches through the train app's forward step, megatron's schedule and DDP."""
+    micro-batches through the train app's forward step, megatron's schedule and DDP; and the
+    velocity with per-token timesteps."""
     layouts = ["cp2", "cp4", "cp2-a2a", "cp2-tp2-sp"]
     report = _torchrun(4, layouts, tmp_path / "report.json", WAN_WORKER)
     assert sorted(report) == sorted(layouts)
@@ -105,3 +106,4 @@ def test_wan_cp_layouts_match_one_process_in_losses_and_every_gradient_over_step
         assert r["ref_losses"][0] != r["ref_losses"][1], r  # the second step trained on new weights and data
         assert r["loss_diff"] <= TOL, (layout, r)
         assert r["max_grad_diff"] <= TOL * r["max_grad"], (layout, r)
+        assert r["per_token_velocity_diff"] <= TOL, (layout, r)  # one timestep per token (Wan2.2 TI2V)

@@ -7,7 +7,9 @@ optimizer steps through the train app's pieces: ``DiffusionModel``'s forward ste
 this CP rank's part of the tokens), megatron's schedule, DDP and ``finalize_model_grads`` (which
 sums gradients and sample counts over DP x CP), then plain SGD on every rank's shards. Per step,
 the loss and every parameter's gradient (gathered to full size over TP) are compared with the
-reference's; rank 0 writes the largest differences to OUT.json.
+reference's; so is, before training, the velocity for one timestep per latent token (Wan2.2
+TI2V's modulation, split with the tokens), gathered over CP. Rank 0 writes the largest
+differences to OUT.json.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from loong_models import load_model_config
+from loong_models.diffusion.tokens import patch_tokens
 from loong_parallel import (
     DiffusionModel,
     ParallelConfig,
@@ -98,8 +101,25 @@ def step(kind: DiffusionModel, chunks, batch: list[dict]) -> tuple[float, dict[s
     return float(total[0] / total[1]), grads
 
 
-def run_layout(pcfg: ParallelConfig, accel, weights: dict | None) -> tuple[list, list, dict]:
-    """(losses, gradients per step, initial weights) of one layout."""
+@torch.no_grad()
+def per_token_velocity(model, cfg) -> torch.Tensor:
+    """The velocity with one timestep per latent token, as patch tokens gathered over CP."""
+    g = torch.Generator().manual_seed(5)
+    latents, context = torch.randn(MICRO, *LATENTS, generator=g), torch.randn(MICRO, TEXT, cfg.text_dim, generator=g)
+    tokens = LATENTS[1] * LATENTS[2] * LATENTS[3] // cfg.patch_volume
+    model.eval()
+    out = model(latents, torch.rand(MICRO, tokens, generator=g) * 1000, context)
+    model.train()
+    cp = mpu.get_context_parallel_world_size()
+    if cp == 1:
+        return patch_tokens(out, cfg.patch_size)
+    parts = [torch.empty_like(out) for _ in range(cp)]
+    dist.all_gather(parts, out.contiguous(), group=mpu.get_context_parallel_group())
+    return torch.cat(parts, dim=1)
+
+
+def run_layout(pcfg: ParallelConfig, accel, weights: dict | None) -> tuple[list, list, dict, torch.Tensor]:
+    """(losses, gradients per step, initial weights, per-token-timestep velocity) of one layout."""
     initialize_model_parallel(pcfg, dist.get_world_size())
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
@@ -114,13 +134,14 @@ def run_layout(pcfg: ParallelConfig, accel, weights: dict | None) -> tuple[list,
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         for n, p in model.named_parameters():
             p.copy_(_shard(p, weights[n]))
+    velocity = per_token_velocity(model, cfg.diffusion)
     losses, grads = [], []
     for s in range(STEPS):
         loss, g = step(kind, chunks, batches(s, cfg.diffusion.text_dim))
         losses.append(loss)
         grads.append(g)
     mpu.destroy_model_parallel()
-    return losses, grads, weights
+    return losses, grads, weights, velocity
 
 
 def main() -> None:
@@ -128,10 +149,10 @@ def main() -> None:
     accel = get_accelerator("cpu")
     with redirect_cuda(accel):
         dist.init_process_group("gloo")
-        ref_losses, ref_grads, weights = run_layout(ParallelConfig(), accel, None)
+        ref_losses, ref_grads, weights, ref_velocity = run_layout(ParallelConfig(), accel, None)
         report = {}
         for layout in layouts:
-            losses, grads, _ = run_layout(parse(layout), accel, weights)
+            losses, grads, _, velocity = run_layout(parse(layout), accel, weights)
             diffs = []
             for got, want in zip(grads, ref_grads):
                 assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
@@ -139,6 +160,7 @@ def main() -> None:
             report[layout] = {"losses": losses, "ref_losses": ref_losses, "params": len(grads[0]),
                               "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                               "max_grad_diff": max(diffs),
+                              "per_token_velocity_diff": (velocity - ref_velocity).abs().max().item(),
                               "max_grad": max(v.abs().max().item() for v in ref_grads[0].values())}  # fmt: skip
         if dist.get_rank() == 0:
             with open(out_path, "w") as f:
