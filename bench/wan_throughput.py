@@ -10,7 +10,9 @@ Latents and text embeddings are random (seeded by sample id): throughput does no
 Precision (the same for both, megatron's mixed precision): bf16 weights, activations and
 gradients, fp32 master weights and AdamW states (lr 1e-4, betas 0.9/0.999, wd 0.01, clip 1.0,
 fused on CUDA). Full layer recompute by default (32,760 tokens do not fit otherwise): Loong's
-``diffusion.recompute=full``, diffusers' ``enable_gradient_checkpointing()``.
+``diffusion.recompute=full``, diffusers' ``enable_gradient_checkpointing()``. Loong may recompute
+less (``--loong-recompute keep_attention``: not the self-attention kernel;
+``--loong-recompute-layers N``: only the first N layers) where diffusers cannot fit without it.
 Loong: ``loong_models`` WanModel built the way the train app builds it (``DiffusionModel``; TE
 layers when transformer-engine imports, else the local backend); diffusers:
 ``WanTransformer3DModel`` with its default attention (torch SDPA). Each stack runs in its own
@@ -18,6 +20,7 @@ process; the table reports the median step time after --warmup steps.
 
     python bench/wan_throughput.py                                  # both, 1.3B, 81x480x832
     python bench/wan_throughput.py --steps 12 --warmup 4 --recompute none --frames 21
+    python bench/wan_throughput.py --loong-recompute keep_attention --loong-recompute-layers 24
     python bench/wan_throughput.py --model wan-tiny --device cpu --dtype fp32 --frames 5 --height 32 --width 48
 
 Before any figure the script asserts that both stacks consumed identical samples at every step:
@@ -68,10 +71,14 @@ def tokens_per_sample(args, cfg) -> int:
     return (f // pf) * (h // ph) * (w // pw)
 
 
-def model_config(args):
+def model_config(args, stack: str = "diffusers"):
+    """The stack's model config: Loong may recompute otherwise (--loong-recompute, --loong-recompute-layers)."""
     from loong_models import load_model_config
 
-    over = [f"diffusion.recompute={'full' if args.recompute == 'full' else 'null'}", *args.model_overrides]
+    mode = args.loong_recompute or args.recompute if stack == "loong" else args.recompute
+    over = [f"diffusion.recompute={'null' if mode == 'none' else mode}", *args.model_overrides]
+    if stack == "loong" and args.loong_recompute_layers is not None:
+        over.append(f"diffusion.recompute_num_layers={args.loong_recompute_layers}")
     if args.layers:
         over.append(f"diffusion.num_layers={args.layers}")
     return load_model_config(args.model, over)
@@ -175,7 +182,7 @@ def train(args, forward, model, device: str, dtype: torch.dtype, cfg, stack: str
 def run_here(args, stack: str) -> dict:
     """Train ``stack`` in this process; its run as a dict (step times, losses, digests, memory)."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    cfg = model_config(args)
+    cfg = model_config(args, stack)
     torch.manual_seed(args.seed)
     if stack == "diffusers":
         if args.device == "cuda":
@@ -241,6 +248,10 @@ def sys_args(args) -> list[str]:
            f"--batch={args.batch}", f"--text-len={args.text_len}", f"--steps={args.steps}", f"--warmup={args.warmup}",
            f"--recompute={args.recompute}", f"--dtype={args.dtype}", f"--device={args.device}", f"--seed={args.seed}",
            f"--loong-backend={args.loong_backend}", f"--layers={args.layers or 0}"]  # fmt: skip
+    if args.loong_recompute:
+        out.append(f"--loong-recompute={args.loong_recompute}")
+    if args.loong_recompute_layers is not None:
+        out.append(f"--loong-recompute-layers={args.loong_recompute_layers}")
     out += [f"--profile={args.profile}"] if args.profile else []
     return out + [f"--model-override={o}" for o in args.model_overrides]
 
@@ -256,7 +267,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     tokens = tokens_per_sample(args, cfg.diffusion)
     print(f"{args.model}: {cfg.diffusion.num_parameters() / 1e9:.3f}B params, {cfg.diffusion.num_layers} layers, "
           f"latents {latent_shape(args, cfg.diffusion)} -> {tokens} tokens/sample, batch {args.batch}, "
-          f"{args.dtype}, recompute {args.recompute}", flush=True)  # fmt: skip
+          f"{args.dtype}, recompute {args.recompute} (loong: {args.loong_recompute or args.recompute}, "
+          f"layers {'all' if args.loong_recompute_layers is None else args.loong_recompute_layers})", flush=True)  # fmt: skip
     runs = {s: run_stack(args, s) for s in args.stacks}
     check_same_data(runs)
     rows = summarize(args, cfg, runs)
@@ -286,6 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--recompute", choices=("full", "none"), default="full")
+    p.add_argument("--loong-recompute", choices=("full", "keep_attention", "none"),
+                   help="Loong's diffusion.recompute (default: --recompute); diffusers keeps --recompute")
+    p.add_argument("--loong-recompute-layers", type=int, help="Loong's diffusion.recompute_num_layers (default: all)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--seed", type=int, default=0)

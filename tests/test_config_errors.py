@@ -115,6 +115,20 @@ def test_context_parallelism_names_what_it_cannot_combine_with():
         validate(cfg, world_size=2)
 
 
+def test_wan_context_parallelism_cuts_samples_into_cp_parts_and_names_what_it_cannot_combine_with():
+    def wan(*overrides: str):
+        with initialize_config_module("loong_train.configs", version_base=None):
+            return to_config(compose("wan", overrides=list(overrides)))
+
+    validate(wan("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"), world_size=4)
+    with pytest.raises(ConfigError, match=r"data.seq_length=16 must be a multiple of parallel.cp = 3 \(every "
+                                          r"sequence is cut into cp equal parts\)"):  # fmt: skip
+        validate(wan("parallel.cp=3"), world_size=3)
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 cannot combine with parallel.cp_comm_type=a2a "
+                                          r"\(model.diffusion.num_attention_heads=2 / parallel.tp=2 heads"):  # fmt: skip
+        validate(wan("parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a"), world_size=4)
+
+
 @pytest.mark.parametrize("overrides, what", [
     (["data.packing=thd"], r"data.packing=thd \(a packed step's shapes change"),
     (["++model.foundation.recompute=selective"], r"model.foundation.recompute \(megatron drops"),

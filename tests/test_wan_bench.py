@@ -23,7 +23,8 @@ from wan_throughput import (  # noqa: E402
 )
 
 TINY = ["--model=wan-tiny", "--device=cpu", "--dtype=fp32", "--frames=5", "--height=32", "--width=48",
-        "--text-len=8", "--steps=3", "--warmup=1", "--batch=2"]  # fmt: skip
+        "--text-len=8", "--steps=3", "--warmup=1", "--batch=2", "--recompute=full",
+        "--loong-recompute=keep_attention", "--loong-recompute-layers=1"]  # fmt: skip
 
 
 def test_the_default_clip_is_wans_81_frames_at_480x832():
@@ -37,6 +38,8 @@ def test_the_default_clip_is_wans_81_frames_at_480x832():
 def test_loong_and_diffusers_train_the_same_samples_at_wan_tiny_shape():
     args = parse_args(TINY)
     cfg = model_config(args)
+    loong = model_config(args, "loong").diffusion  # Loong recomputes less; diffusers checkpoints whole blocks
+    assert (loong.recompute, loong.recompute_num_layers, cfg.diffusion.recompute) == ("keep_attention", 1, "full")
     runs = {s: run_here(args, s) for s in STACKS}
     check_same_data(runs)
     assert runs["loong"]["params"] == runs["diffusers"]["params"] == cfg.diffusion.num_parameters()

@@ -61,16 +61,20 @@ def test_wan_job_learns_resumes_and_samples(run_wan, data_cache, tmp_path):
 
 
 @pytest.mark.dist
-def test_wan_tp2_with_sequence_parallelism_matches_one_process(run_wan):
+def test_wan_tp2_with_sequence_parallelism_and_cp2_match_one_process(run_wan):
     """TP=2 with megatron sequence parallelism (the video tokens split between the linears; the
-    replicated modulation / norm / head grads summed over TP) trains like one process. TP=2
-    without SP is checked at the model level by loong-ckpt's Wan TP worker (same launch as SP's)."""
+    replicated modulation / norm / head grads summed over TP) and context parallelism (CP=2: each
+    rank holds half of every sample's tokens, the loss is summed over the CP ranks) train like one
+    process. TP=2 without SP is checked at the model level by loong-ckpt's Wan TP worker (same
+    launch as SP's); CP layouts gradient by gradient by loong-parallel's wan_cp_worker."""
     short = ["train.steps=3", "train.eval_iters=0", "train.save_final=false"]
     one = run_wan(short, name="tp1", timeout=900).check().losses()
     two = run_wan([*short, "parallel.tp=2", "parallel.sequence_parallel=true"], nproc=2, name="tp2sp",
                   timeout=900).check().losses()  # fmt: skip
-    assert sorted(one) == sorted(two) == [1, 2, 3]
+    cp = run_wan([*short, "parallel.cp=2"], nproc=2, name="cp2", timeout=900).check().losses()
+    assert sorted(one) == sorted(two) == sorted(cp) == [1, 2, 3]
     assert all(abs(one[s] - two[s]) < 1e-4 for s in one), (one, two)
+    assert all(abs(one[s] - cp[s]) < 1e-5 for s in one), (one, cp)
 
 
 def test_wan_starts_from_a_diffusers_directory_as_from_its_converted_checkpoint(run_wan, tmp_path):

@@ -27,7 +27,7 @@ from loong_models import ENCODER_TYPES, FAMILIES, load_model_config
         ("tiny-vlm", "image_projector.type=conv", "image_projector.type", "mlp"),
         ("tiny-vlm", "image_projector.norm=BatchNorm", "image_projector.norm", "RMSNorm, LayerNorm"),
         ("tiny-vlm", "image_projector.activation=relu", "image_projector.activation", "gelu, gelu_tanh, silu"),
-        ("wan-tiny", "diffusion.recompute=selective", "diffusion.recompute", "full"),
+        ("wan-tiny", "diffusion.recompute=selective", "diffusion.recompute", "full, keep_attention"),
         ("wan-tiny", "flow_matching.weighting=cosine", "flow_matching.weighting", "bell, uniform"),
     ],
 )  # fmt: skip

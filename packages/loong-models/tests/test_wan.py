@@ -107,3 +107,70 @@ def test_tiny_wan_trains_a_step_on_the_local_backend(megatron_cpu):
     loss = fm.per_sample_loss(model(batch.noisy, batch.timestep, ctx), batch).mean()
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def _loss_and_grads(megatron_cpu, overrides: list[str]) -> tuple[float, dict[str, torch.Tensor]]:
+    cfg = load_model_config("wan-tiny", ["diffusion.num_layers=3", *overrides])
+    base = build_transformer_config(cfg.foundation, use_cpu_initialization=True, params_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = build_model(cfg, base, device_type="cpu").train()
+    fm = FlowMatching(FlowMatchingConfig())
+    g = torch.Generator().manual_seed(1)
+    x0, ctx = torch.randn(2, 4, 2, 8, 8, generator=g), torch.randn(2, 32, 32, generator=g)
+    batch = fm.prepare(x0, [0, 1], seed=0)
+    loss = fm.per_sample_loss(model(batch.noisy, batch.timestep, ctx), batch).mean()
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_every_recompute_mode_gives_the_same_loss_and_gradients(megatron_cpu):
+    loss, grads = _loss_and_grads(megatron_cpu, [])
+    for over in (["diffusion.recompute=full"], ["diffusion.recompute=keep_attention"],
+                 ["diffusion.recompute=keep_attention", "diffusion.recompute_num_layers=2"],
+                 ["diffusion.recompute=full", "diffusion.recompute_num_layers=1"]):  # fmt: skip
+        got_loss, got = _loss_and_grads(megatron_cpu, over)
+        assert got_loss == loss, over  # the same forward; grads sum in another order (shared timestep path)
+        assert all(torch.allclose(got[n], grads[n], rtol=1e-5, atol=1e-7) for n in grads), over
+
+
+def test_recompute_num_layers_is_checked_against_the_layers_and_the_mode():
+    with pytest.raises(ValueError, match=r"model.diffusion.recompute_num_layers=3 must be null or in \[0, num_layers=2\]"):
+        load_model_config("wan-tiny", ["diffusion.recompute=full", "diffusion.recompute_num_layers=3"])
+    with pytest.raises(ValueError, match=r"model.diffusion.recompute_num_layers=1 .* set \(it is None\)"):
+        load_model_config("wan-tiny", ["diffusion.recompute_num_layers=1"])
+
+
+def test_fused_pointwise_kernels_give_the_eager_loss_and_gradients(megatron_cpu):
+    """diffusion.fuse_pointwise=true (torch.compile; inductor's C++ kernels on the CPU, Triton on
+    CUDA) computes what the eager fp32 chains do, with recompute too."""
+    loss, grads = _loss_and_grads(megatron_cpu, [])
+    got_loss, got = _loss_and_grads(megatron_cpu, ["diffusion.fuse_pointwise=true", "diffusion.recompute=keep_attention"])
+    assert got_loss == pytest.approx(loss, rel=1e-6)
+    assert all(torch.allclose(got[n], grads[n], rtol=1e-5, atol=1e-6) for n in grads)
+
+
+def test_patch_tokens_invert_unpatchify_and_cp_parts_cover_each_token_once():
+    from loong_models.diffusion.tokens import context_parallel_part, patch_tokens, unpatchify
+
+    video = torch.randn(2, 3, 4, 6, 8)
+    tokens = patch_tokens(video, (2, 2, 2))
+    assert tokens.shape == (2, 2 * 3 * 4, 8 * 3)
+    assert torch.equal(unpatchify(tokens, (2, 2, 2), (2, 3, 4)), video)
+    assert torch.equal(tokens[:, 0, :3], video[:, :, 0, 0, 0])  # token 0, patch element 0: channels last
+    parts = [context_parallel_part(24, 3, r, multiple=2) for r in range(3)]
+    assert [i for p in parts for i in range(24)[p]] == list(range(24))
+    with pytest.raises(ValueError, match=r"parallel.cp=4 x parallel.tp=4 \(sequence parallel\): a sample's 24 latent"):
+        context_parallel_part(24, 4, 0, multiple=4)
+
+
+def test_the_loss_shares_of_a_samples_token_parts_add_up_to_its_weighted_mse():
+    from loong_models.diffusion.tokens import context_parallel_part, patch_tokens
+
+    fm = FlowMatching(FlowMatchingConfig())
+    batch = fm.prepare(torch.randn(2, 4, 2, 4, 4), [3, 4], seed=0)
+    pred = torch.randn_like(batch.target)
+    whole = fm.per_sample_loss(pred, batch)
+    p, t = patch_tokens(pred, (1, 2, 2)), patch_tokens(batch.target, (1, 2, 2))
+    parts = [context_parallel_part(t.shape[1], 4, r) for r in range(4)]
+    shares = sum(fm.per_sample_loss(p[:, part], batch, target=t[:, part]) for part in parts)
+    assert torch.allclose(shares, whole, rtol=1e-6)

@@ -1,7 +1,9 @@
 """Context parallelism: the load-balanced split of micro-batches, the configs that cannot
 combine with it, and (torchrun, gloo) 2- and 4-process CP layouts, alone and with TP and PP, for
 plain and packed (THD) data, against the one-process loss and gradients in fp32. The same
-launches run ChunkPipe across 2 and 4 pipeline stages (see cp_worker.py)."""
+launches run ChunkPipe across 2 and 4 pipeline stages (see cp_worker.py). The Wan DiT's
+bidirectional CP (contiguous token parts, local cross-attention, the loss on each rank's part)
+matches one process over optimizer steps (wan_cp_worker.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from loong_parallel import ParallelConfig
 from loong_parallel.context_parallel import context_parallel_conflicts, split_for_context_parallel
 
 WORKER = Path(__file__).with_name("cp_worker.py")
+WAN_WORKER = Path(__file__).with_name("wan_cp_worker.py")
 TOL = 1e-5
 
 
@@ -62,10 +65,10 @@ def test_configs_that_cannot_combine_with_context_parallelism_are_named():
         ParallelConfig(cp=4).validate(6, 2, 4, 2)
 
 
-def _torchrun(nproc: int, layouts: list[str], out: Path) -> dict:
+def _torchrun(nproc: int, layouts: list[str], out: Path, worker: Path = WORKER) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", LOONG_DEVICE="cpu")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-           str(WORKER), str(out), *layouts]  # fmt: skip
+           str(worker), str(out), *layouts]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -87,3 +90,20 @@ def test_cp_and_chunkpipe_layouts_match_one_process_in_loss_and_every_gradient(t
         assert r["params"] > 20, layout
         assert r["loss_diff"] <= TOL, (layout, r)
         assert r["max_grad_diff"] <= TOL, (layout, r)
+
+
+@pytest.mark.dist
+def test_wan_cp_layouts_match_one_process_in_losses_and_every_gradient_over_steps(tmp_path):
+    """wan-tiny (fp32, keep_attention recompute) under CP=2 / CP=4 ring, CP=2 all-to-all and
+    CP=2 x TP=2 with sequence parallelism, in one 4-process launch: two optimizer steps of two
+    micro-batches through the train app's forward step, megatron's schedule and DDP; and the
+    velocity with per-token timesteps."""
+    layouts = ["cp2", "cp4", "cp2-a2a", "cp2-tp2-sp"]
+    report = _torchrun(4, layouts, tmp_path / "report.json", WAN_WORKER)
+    assert sorted(report) == sorted(layouts)
+    for layout, r in report.items():
+        assert r["params"] > 50 and len(r["losses"]) == 2, layout
+        assert r["ref_losses"][0] != r["ref_losses"][1], r  # the second step trained on new weights and data
+        assert r["loss_diff"] <= TOL, (layout, r)
+        assert r["max_grad_diff"] <= TOL * r["max_grad"], (layout, r)
+        assert r["per_token_velocity_diff"] <= TOL, (layout, r)  # one timestep per token (Wan2.2 TI2V)

@@ -168,12 +168,26 @@ def _chunkpipe_moe_conflicts(moe: MoEConfig | None) -> dict[str, bool]:
 
 def _context_parallel_errors(cfg: Config) -> list[str]:
     f, d = cfg.model.foundation, cfg.data
+    if cfg.model.is_diffusion:
+        return _diffusion_context_parallel_errors(cfg)
     return context_parallel_conflicts(cfg.parallel, seq_length=d.seq_length, features={
         "model.foundation.sparse_attention (DeepSeek sparse attention)": f.sparse_attention is not None,
         "model.foundation.mla (multi-latent attention: no CP parity test yet)": f.mla is not None,
         "model.foundation.mtp_num_layers (multi-token prediction: no CP parity test yet)": bool(f.mtp_num_layers),
         "data.kind=multimodal (the VLM path has no CP split yet)": d.kind == "multimodal",
         "parallel.balance.enabled=true (the DP balancer would split a CP group's samples)": cfg.parallel.balance.enabled,
+    })  # fmt: skip
+
+
+def _diffusion_context_parallel_errors(cfg: Config) -> list[str]:
+    """A DiT's self-attention is bidirectional over each sample's video tokens: they are cut into
+    cp contiguous parts (no load balancing), and all-to-all CP trades heads for tokens."""
+    p, heads = cfg.parallel, cfg.model.diffusion.num_attention_heads
+    a2a_heads = str(p.cp_comm_type) == "a2a" and (heads // p.tp) % p.cp != 0
+    return context_parallel_conflicts(p, seq_length=cfg.data.seq_length, balanced=False, features={
+        f"parallel.cp_comm_type=a2a (model.diffusion.num_attention_heads={heads} / parallel.tp={p.tp} heads per "
+        "rank must divide by parallel.cp; use p2p)": a2a_heads,
+        "parallel.balance.enabled=true (the DP balancer would split a CP group's samples)": p.balance.enabled,
     })  # fmt: skip
 
 

@@ -33,18 +33,21 @@ def split_for_context_parallel(batch: dict[str, Any], cp_size: int, cp_rank: int
     return out
 
 
-def context_parallel_conflicts(pcfg, *, seq_length: int, features: dict[str, bool]) -> list[str]:
+def context_parallel_conflicts(pcfg, *, seq_length: int, features: dict[str, bool], balanced: bool = True) -> list[str]:
     """Why this job cannot run with ``pcfg.cp`` (empty: it can). ``features`` maps a config key
     (as the user wrote it) to whether that feature is on; every feature listed here is one that
-    context parallelism does not support yet."""
+    context parallelism does not support yet. ``balanced``: sequences are cut into 2 x cp
+    load-balanced chunks (causal attention); else into cp contiguous parts (a DiT's video tokens)."""
     if pcfg.cp == 1:
         return []
     errors = [f"parallel.cp={pcfg.cp} cannot combine with {key}" for key, on in features.items() if on]
-    multiple = 2 * pcfg.cp * (pcfg.tp if pcfg.sequence_parallel else 1)
+    chunks = 2 if balanced else 1
+    multiple = chunks * pcfg.cp * (pcfg.tp if pcfg.sequence_parallel else 1)
     if seq_length % multiple:
         why = " x parallel.tp (sequence parallel)" if pcfg.sequence_parallel else ""
+        cut = "2 x cp load-balanced chunks" if balanced else "cp equal parts"
         errors.append(
-            f"data.seq_length={seq_length} must be a multiple of 2 x parallel.cp{why} = {multiple} "
-            "(every sequence is cut into 2 x cp load-balanced chunks)"
+            f"data.seq_length={seq_length} must be a multiple of {'2 x ' if balanced else ''}parallel.cp{why} = "
+            f"{multiple} (every sequence is cut into {cut})"
         )
     return errors

@@ -7,7 +7,9 @@ its queries to the block it holds and merges the result with an online softmax (
 sum), while the next block is already on its way. Backward replays the ring: each block's key /
 value gradients travel with it and return to their owner after the last step. Causality across
 ranks comes from the tokens' positions: a query sees a key of its own segment at an earlier or
-equal position; with the zigzag layout every rank does the same amount of work.
+equal position; with the zigzag layout every rank does the same amount of work. Bidirectional
+attention (``causal=False``, e.g. a diffusion transformer's video tokens) lets a query see every
+key of its segment, so any layout works.
 
 Scores of one block are materialised ([b, heads, s_local, s_local]): this is the reference path
 for devices without a fused kernel; on CUDA, Transformer Engine's attention does the same ring.
@@ -52,9 +54,10 @@ def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Te
     return buf[:n].view(k_shape), buf[n:].view(v_shape)
 
 
-def _mask(q_layout, kv_layout) -> torch.Tensor:
+def _mask(q_layout, kv_layout, causal: bool) -> torch.Tensor:
     (q_pos, q_seg), (k_pos, k_seg) = q_layout, kv_layout
-    return (q_seg[:, None] == k_seg[None, :]) & (q_pos[:, None] >= k_pos[None, :])
+    same = q_seg[:, None] == k_seg[None, :]
+    return same & (q_pos[:, None] >= k_pos[None, :]) if causal else same
 
 
 def _scores(q, k, mask, scale) -> torch.Tensor:
@@ -67,7 +70,7 @@ class RingAttention(torch.autograd.Function):
     """q [b, g, r, s, dk], k [b, g, s, dk], v [b, g, s, dv] (fp32) -> out [b, g, r, s, dv]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, group, layouts: list):
+    def forward(ctx, q, k, v, scale: float, group, layouts: list, causal: bool = True):
         ring = _Ring(group)
         mine = layouts[ring.rank]
         acc = q.new_zeros(*q.shape[:-1], v.shape[-1])
@@ -76,7 +79,7 @@ class RingAttention(torch.autograd.Function):
         kv = _pack(k, v)
         for step in range(ring.size):
             pending = ring.start(kv) if step < ring.size - 1 else None
-            mask = _mask(mine, layouts[(ring.rank - step) % ring.size])
+            mask = _mask(mine, layouts[(ring.rank - step) % ring.size], causal)
             if mask.any():
                 kb, vb = _unpack(kv, k.shape, v.shape)
                 s = _scores(q, kb, mask, scale)
@@ -92,7 +95,7 @@ class RingAttention(torch.autograd.Function):
         out = acc / denom[..., None]
         lse = m + torch.log(denom)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.group, ctx.layouts = scale, group, layouts
+        ctx.scale, ctx.group, ctx.layouts, ctx.causal = scale, group, layouts, causal
         return out
 
     @staticmethod
@@ -106,7 +109,7 @@ class RingAttention(torch.autograd.Function):
         kv = _pack(k, v)
         dkv = torch.zeros_like(kv)
         for step in range(ring.size):
-            mask = _mask(mine, ctx.layouts[(ring.rank - step) % ring.size])
+            mask = _mask(mine, ctx.layouts[(ring.rank - step) % ring.size], ctx.causal)
             if mask.any():
                 kb, vb = _unpack(kv, k.shape, v.shape)
                 p = torch.exp(_scores(q, kb, mask, scale) - lse[..., None])
@@ -119,4 +122,4 @@ class RingAttention(torch.autograd.Function):
                 kv, dkv = both[: kv.numel()], both[kv.numel() :]
         dkv = _Ring.finish(ring.start(dkv))  # home: the owner of the block held last
         dk, dv = _unpack(dkv, k.shape, v.shape)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None

@@ -10,8 +10,9 @@ segment (causal for LLM documents, bidirectional for ViT images / windows) (see 
 document boundary and no [t, t] mask exists.
 
 With context parallelism (``context_parallel_size > 1``) each rank holds a load-balanced slice
-of every sequence and causal attention runs over the CP group: ring (``cp_comm_type`` ``p2p``,
-the default) or all-to-all (``a2a``), see :mod:`loong_models.attention.context_parallel`.
+of every sequence and causal (or bidirectional, ``no_mask``: a DiT's video tokens) attention runs
+over the CP group: ring (``cp_comm_type`` ``p2p``, the default) or all-to-all (``a2a``), see
+:mod:`loong_models.attention.context_parallel`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from megatron.core.utils import divide
 
 from loong_models.attention.context_parallel import CP_COMM_TYPES, context_parallel_attention
 from loong_models.attention.packed import packed_causal_attention
+
+CP_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
 
 
 class SDPAttention(MegatronModule):
@@ -77,8 +80,9 @@ class SDPAttention(MegatronModule):
                 f"cp_comm_type={self.cp_comm_type!r} is not supported by SDPAttention; allowed: "
                 f"{', '.join(CP_COMM_TYPES)} (all_gather and a2a+p2p need Transformer Engine)"
             )
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError("context parallelism with SDPAttention supports causal attention only")
+        if attn_mask_type not in CP_MASK_TYPES:
+            raise ValueError("context parallelism with SDPAttention supports causal and bidirectional "
+                             f"(no_mask) attention, not {attn_mask_type.name}")  # fmt: skip
         if (config.attention_dropout if attention_dropout is None else attention_dropout) > 0:
             raise ValueError("context parallelism with SDPAttention needs attention_dropout=0")
         cp = config.context_parallel_size
@@ -104,15 +108,17 @@ class SDPAttention(MegatronModule):
             raise ValueError("attention_bias is not supported by SDPAttention")
         mask_type = attn_mask_type or self.attn_mask_type
         if self.cp_group is not None:
-            if attention_mask is not None or mask_type != AttnMaskType.causal:
-                raise ValueError("context parallelism with SDPAttention supports causal attention only")
+            if attention_mask is not None or mask_type not in CP_MASK_TYPES:
+                raise ValueError("context parallelism with SDPAttention supports causal and bidirectional "
+                                 "(no_mask) attention without an explicit mask")  # fmt: skip
             cu = None
             if packed_seq_params is not None:
                 if packed_seq_params.qkv_format != "thd":
                     raise ValueError(f"packed qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
                 cu = packed_seq_params.cu_seqlens_q
-            return context_parallel_attention(query, key, value, comm_type=self.cp_comm_type,
-                                              scale=self.softmax_scale, group=self.cp_group, cu_seqlens=cu)  # fmt: skip
+            return context_parallel_attention(query, key, value, comm_type=self.cp_comm_type, scale=self.softmax_scale,
+                                              group=self.cp_group, cu_seqlens=cu,
+                                              causal=mask_type == AttnMaskType.causal)  # fmt: skip
         if packed_seq_params is not None:
             return self._forward_packed(query, key, value, attention_mask, mask_type, packed_seq_params)
         # [s, b, h, d] -> [b, h, s, d]

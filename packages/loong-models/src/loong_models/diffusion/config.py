@@ -10,7 +10,12 @@ from enum import StrEnum
 
 
 class DiTRecompute(StrEnum):
-    full = "full"  # whole layers recomputed in the backward (null = off)
+    """What the backward recomputes of a layer (null: nothing, every activation is kept)."""
+
+    full = "full"  # whole layers: only each layer's input is kept
+    # everything but the self-attention kernel: its q, k, v and output are kept (its backward needs
+    # them anyway), so the costliest forward (O(tokens^2)) runs once; ~4 x dim x tokens more memory
+    keep_attention = "keep_attention"
 
 
 @dataclass
@@ -41,6 +46,11 @@ class WanConfig:
     tensor_model_parallel_size: int | None = None
     freeze: bool = False
     recompute: DiTRecompute | None = None
+    # how many layers (the first ones) recompute; the others keep every activation (null: all)
+    recompute_num_layers: int | None = None
+    # torch.compile the layers' pointwise chains (norms, modulation, RoPE, gated residuals: one
+    # kernel each; loong_models.diffusion.pointwise); null: on with the TE backend (CUDA)
+    fuse_pointwise: bool | None = None
     extra: dict = field(default_factory=dict)  # passed to the component's TransformerConfig
 
     @property
@@ -71,6 +81,10 @@ class WanConfig:
                              f"frame/height/width RoPE parts {self.rope_split} (e.g. 24 or 128)")  # fmt: skip
         if self.tensor_model_parallel_size is not None and self.tensor_model_parallel_size < 1:
             raise ValueError(f"{prefix}.tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
+        n = self.recompute_num_layers
+        if n is not None and (self.recompute is None or not 0 <= n <= self.num_layers):
+            raise ValueError(f"{prefix}.recompute_num_layers={n} must be null or in [0, num_layers="
+                             f"{self.num_layers}], with {prefix}.recompute set (it is {self.recompute})")  # fmt: skip
         if self.image_dim is not None and self.image_len < 1:
             raise ValueError(f"{prefix}.image_len={self.image_len} must be >= 1 with image_dim set")
 

@@ -97,10 +97,15 @@ class FlowMatching:
         )
 
     @staticmethod
-    def per_sample_loss(pred: torch.Tensor, batch: FlowMatchBatch) -> torch.Tensor:
-        """[b]: each sample's weighted MSE (average them for the batch loss)."""
-        mse = (pred.float() - batch.target).pow(2).flatten(1).mean(1)
-        return mse * batch.weight
+    def per_sample_loss(pred: torch.Tensor, batch: FlowMatchBatch, target: torch.Tensor | None = None) -> torch.Tensor:
+        """[b]: each sample's weighted MSE (average them for the batch loss). With ``target`` (a
+        part of ``batch.target`` in any layout, e.g. a context-parallel rank's patch tokens) and
+        ``pred`` its prediction: that part's share, squared errors summed over the part and
+        divided by the whole sample's size (the parts' shares add up to the MSE)."""
+        if target is None:
+            return (pred.float() - batch.target).pow(2).flatten(1).mean(1) * batch.weight
+        sq = (pred.float() - target.float()).pow(2).flatten(1).sum(1)
+        return sq / batch.target[0].numel() * batch.weight
 
 
 @torch.no_grad()

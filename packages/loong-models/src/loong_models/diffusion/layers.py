@@ -7,8 +7,11 @@ Tensors are megatron's ``[sequence, batch, hidden]``. Heads are split over tenso
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
@@ -17,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from loong_models.diffusion.config import WanConfig
+from loong_models.diffusion.pointwise import Pointwise
 from loong_models.specs import DiTModules
 
 
@@ -42,18 +46,18 @@ class HeadsRMSNorm(torch.nn.Module):
     """RMSNorm over all heads of a TP-split projection (``[..., local_heads * head_dim]``); the
     weight is split like the heads."""
 
-    def __init__(self, global_size: int, config: TransformerConfig, eps: float) -> None:
+    def __init__(self, global_size: int, config: TransformerConfig, eps: float, pw: Pointwise) -> None:
         super().__init__()
         tp = mpu.get_tensor_model_parallel_world_size()
-        self.global_size, self.eps, self.tp = global_size, eps, tp
+        self.global_size, self.eps, self.tp, self.pw = global_size, eps, tp, pw
         self.weight = torch.nn.Parameter(torch.ones(global_size // tp, dtype=config.params_dtype))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return self.pw.rms_norm(x, self.weight, self.eps)
         xf = x.float()
-        ss = xf.pow(2).sum(-1, keepdim=True)
-        if self.tp > 1:
-            ss = _AllReduceSum.apply(ss, mpu.get_tensor_model_parallel_group())
+        ss = _AllReduceSum.apply(xf.pow(2).sum(-1, keepdim=True), mpu.get_tensor_model_parallel_group())
         y = xf * torch.rsqrt(ss / self.global_size + self.eps)
         return (y * self.weight.float()).to(x.dtype)
 
@@ -71,21 +75,12 @@ def _linear(cls: type, i: int, o: int, config: TransformerConfig, *, column: boo
     return cls(i, o, input_is_parallel=True, **{**common, "init_method": config.output_layer_init_method})
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs (Wan / diffusers layout). x: [s, b, h, d]; cos, sin:
-    [s, 1, 1, d/2] in float."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x1, x2 = xf[..., 0], xf[..., 1]
-    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return out.flatten(-2).to(x.dtype)
-
-
 class WanAttention(MegatronModule):
     """Self-attention (fused per-head q/k/v, 3-D RoPE) or cross-attention to the text (plus the
     CLIP image tokens of Wan2.1 I2V, attended separately and summed, as Wan does)."""
 
     def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, layer: int, *, cross: bool,
-                 whole: TransformerConfig | None = None):  # fmt: skip
+                 pw: Pointwise, whole: TransformerConfig | None = None):  # fmt: skip
         """``whole``: the config of the text / image key and value projections (their tokens are
         never split over sequence-parallel ranks); defaults to ``config``."""
         super().__init__(config=config)
@@ -100,21 +95,32 @@ class WanAttention(MegatronModule):
             self.linear_q, self.linear_k, self.linear_v = col(d, "q"), col(d, "k", whole), col(d, "v", whole)
         else:
             self.linear_qkv = col(3 * d, "qkv")  # per head [q; k; v] (megatron's layout, one group per head)
-        self.q_norm = HeadsRMSNorm(d, config, cfg.eps)
-        self.k_norm = HeadsRMSNorm(d, config, cfg.eps)
-        kind = "cross" if cross else "self"
-        self.core_attention = mods.core_attention(
-            config=config, layer_number=layer, attn_mask_type=AttnMaskType.no_mask, attention_type=kind
-        )
+        self.pw = pw
+        self.q_norm = HeadsRMSNorm(d, config, cfg.eps, pw)
+        self.k_norm = HeadsRMSNorm(d, config, cfg.eps, pw)
+        self.core_attention = self._core_attention(config, mods, layer)
         if cross and cfg.image_dim is not None:
             self.linear_k_img, self.linear_v_img = col(d, "k_img", whole), col(d, "v_img", whole)
-            self.k_img_norm = HeadsRMSNorm(d, config, cfg.eps)
+            self.k_img_norm = HeadsRMSNorm(d, config, cfg.eps, pw)
         self.linear_proj = _linear(mods.row_linear, d, d, config, column=False, name="proj")
+
+    def _core_attention(self, config: TransformerConfig, mods: DiTModules, layer: int) -> MegatronModule:
+        """Bidirectional; under context parallelism self-attention runs over the CP group, and
+        cross-attention (to the whole text, on every CP rank) stays local."""
+        kw = {}
+        if self.cross:
+            config = dataclasses.replace(config, context_parallel_size=1) if config.context_parallel_size > 1 else config
+        elif config.context_parallel_size > 1:
+            kw["cp_comm_type"] = config.cp_comm_type
+        kind = "cross" if self.cross else "self"
+        return mods.core_attention(config=config, layer_number=layer, attn_mask_type=AttnMaskType.no_mask,
+                                   attention_type=kind, **kw)  # fmt: skip
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.heads, self.head_dim))
 
-    def forward(self, x, context=None, rope=None, image=None) -> torch.Tensor:
+    def qkv(self, x, context=None, rope=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [s, b, heads, head_dim]: projected, RMS-normed, RoPE-rotated."""
         if self.cross:
             q, k, v = self.linear_q(x)[0], self.linear_k(context)[0], self.linear_v(context)[0]
         else:
@@ -122,12 +128,18 @@ class WanAttention(MegatronModule):
             q, k, v = (t.flatten(-2) for t in qkv.unbind(-2))
         q, k, v = self._heads(self.q_norm(q)), self._heads(self.k_norm(k)), self._heads(v)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+            q, k = self.pw.rope(q, *rope), self.pw.rope(k, *rope)
+        return q, k, v
+
+    def attend(self, q, k, v) -> torch.Tensor:
+        return self.core_attention(q, k, v, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+
+    def forward(self, x, context=None, rope=None, image=None) -> torch.Tensor:
+        q, k, v = self.qkv(x, context, rope)
+        out = self.attend(q, k, v)
         if image is not None:
             ki = self._heads(self.k_img_norm(self.linear_k_img(image)[0]))
-            vi = self._heads(self.linear_v_img(image)[0])
-            out = out + self.core_attention(q, ki, vi, attention_mask=None, attn_mask_type=AttnMaskType.no_mask)
+            out = out + self.attend(q, ki, self._heads(self.linear_v_img(image)[0]))
         return self.linear_proj(out)[0]
 
 
@@ -147,54 +159,78 @@ def layer_norm(x: torch.Tensor, eps: float, norm: torch.nn.LayerNorm | None = No
     return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps)
 
 
+def recompute(fn, *args):
+    """``fn(*args)``, its activations recomputed in the backward (torch's non-reentrant
+    checkpoint: the recompute runs inside the backward that needs it, under the same device
+    context, and nests with the layers' communication)."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+
 class WanLayer(MegatronModule):
     """One Wan block: modulated self-attention, cross-attention, modulated FFN, each a gated
     (or plain, for cross-attention) residual. ``modulation`` is the learned [1, 6, dim] table
     added to the timestep projection (shift, scale, gate for attention; the same for the FFN)."""
 
-    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, layer: int,
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, layer: int, pw: Pointwise,
                  whole: TransformerConfig | None = None) -> None:  # fmt: skip
         super().__init__(config=config)
-        self.eps = cfg.eps
-        self.self_attention = WanAttention(cfg, config, mods, layer, cross=False)
-        self.cross_attention = WanAttention(cfg, config, mods, layer, cross=True, whole=whole)
+        self.eps, self.pw = cfg.eps, pw
+        self.self_attention = WanAttention(cfg, config, mods, layer, cross=False, pw=pw)
+        self.cross_attention = WanAttention(cfg, config, mods, layer, cross=True, pw=pw, whole=whole)
         self.cross_norm = (
             torch.nn.LayerNorm(cfg.dim, eps=cfg.eps, dtype=config.params_dtype) if cfg.cross_attn_norm else None
         )
         self.mlp = WanMLP(cfg, config, mods)
+        self.recompute = None  # set by WanDecoder: None, "full" or "keep_attention"
         self.modulation = torch.nn.Parameter(torch.randn(1, 6, cfg.dim, dtype=config.params_dtype) / cfg.dim**0.5)
         # replicated, applied to this rank's part of the sequence: megatron sums their grads over TP
         for p in (self.modulation, *(self.cross_norm.parameters() if self.cross_norm is not None else ())):
             p.sequence_parallel = config.sequence_parallel
 
     def forward(self, x, context, temb, cos, sin, image=None) -> torch.Tensor:
-        """x [s, b, d]; temb [s or 1, b, 6, d] (fp32); cos, sin: RoPE; context [t, b, d]."""
-        rope = (cos, sin)
-        shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.float() + temb).unbind(-2)
-        h = (layer_norm(x, self.eps) * (1 + scale) + shift).to(x.dtype)
-        x = (x.float() + self.self_attention(h, rope=rope).float() * gate).to(x.dtype)
-        h = (layer_norm(x, self.eps, self.cross_norm) if self.cross_norm is not None else x).to(x.dtype)
+        """x [s, b, d]; temb [s or 1, b, 6, d] (fp32); cos, sin: RoPE; context [t, b, d].
+        With ``recompute=keep_attention`` (training) the parts before and after the self-attention
+        kernel are recomputed in the backward; the kernel's inputs and output are kept."""
+        if self.recompute == "keep_attention" and self.training:
+            q, k, v = recompute(self._self_qkv, x, temb, cos, sin)
+            attn = self.self_attention.attend(q, k, v)
+            return recompute(self._after_attention, x, attn, context, temb, image)
+        q, k, v = self._self_qkv(x, temb, cos, sin)
+        return self._after_attention(x, self.self_attention.attend(q, k, v), context, temb, image)
+
+    def _modulation(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """shift, scale, gate (self-attention), then the same for the FFN."""
+        return (self.modulation.float() + temb).unbind(-2)
+
+    def _self_qkv(self, x, temb, cos, sin):
+        shift, scale = self._modulation(temb)[:2]
+        return self.self_attention.qkv(self.pw.modulate(x, self.eps, scale, shift), rope=(cos, sin))
+
+    def _after_attention(self, x, attn, context, temb, image) -> torch.Tensor:
+        _, _, gate, c_shift, c_scale, c_gate = self._modulation(temb)
+        x = self.pw.gated_residual(x, self.self_attention.linear_proj(attn)[0], gate)
+        n = self.cross_norm
+        h = self.pw.affine_norm(x, self.eps, n.weight, n.bias) if n is not None else x
         x = x + self.cross_attention(h, context=context, image=image)
-        h = (layer_norm(x, self.eps) * (1 + c_scale) + c_shift).to(x.dtype)
-        return (x.float() + self.mlp(h).float() * c_gate).to(x.dtype)
+        return self.pw.gated_residual(x, self.mlp(self.pw.modulate(x, self.eps, c_scale, c_shift)), c_gate)
 
 
 class WanDecoder(MegatronModule):
-    """The stack of layers, ``layers.<i>`` in checkpoints (indexed keys), with optional full
-    recompute of each layer in the backward."""
+    """The stack of layers, ``layers.<i>`` in checkpoints (indexed keys); the first
+    ``recompute_num_layers`` (all by default) recompute in the backward as ``recompute`` says."""
 
-    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules,
+    def __init__(self, cfg: WanConfig, config: TransformerConfig, mods: DiTModules, pw: Pointwise,
                  whole: TransformerConfig | None = None) -> None:  # fmt: skip
         super().__init__(config=config)
-        self.recompute = cfg.recompute == "full"
-        self.layers = torch.nn.ModuleList(WanLayer(cfg, config, mods, i + 1, whole) for i in range(cfg.num_layers))
+        self.layers = torch.nn.ModuleList(WanLayer(cfg, config, mods, i + 1, pw, whole) for i in range(cfg.num_layers))
+        n = cfg.num_layers if cfg.recompute_num_layers is None else cfg.recompute_num_layers
+        for layer in self.layers[:n]:
+            layer.recompute = cfg.recompute
 
     def forward(self, x, context, temb, rope, image=None) -> torch.Tensor:
-        from megatron.core import tensor_parallel
-
         for layer in self.layers:
-            if self.recompute and self.training:
-                x = tensor_parallel.checkpoint(layer, False, x, context, temb, *rope, image)
+            if layer.recompute == "full" and self.training:
+                x = recompute(layer, x, context, temb, *rope, image)
             else:
                 x = layer(x, context, temb, *rope, image)
         return x

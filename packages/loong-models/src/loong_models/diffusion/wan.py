@@ -10,6 +10,14 @@ residuals for its part of the sequence; the column linears all-gather it, the ro
 reduce-scatter); the text, image and timestep paths stay whole (a few hundred tokens).
 Replicated parameters that see only a part of the sequence (modulation tables, the cross-attention
 LayerNorm, the head) are marked ``sequence_parallel`` so that megatron sums their grads over TP.
+
+Context parallelism (``parallel.cp``): after the patch embedding each CP rank keeps its contiguous
+``1/cp`` of the video tokens (:mod:`loong_models.diffusion.tokens`), with their 3-D RoPE angles and
+(per-token timesteps) their modulation; self-attention runs over the CP group (ring or
+all-to-all: TE's, or loong-models' on the local backend), cross-attention to the whole text stays
+local. The output is then this rank's part of the patch tokens, ``[b, tokens / cp, pf*ph*pw*c]``:
+the loss is computed on it and summed over the CP ranks (megatron reduces gradients and sample
+counts over DP x CP), so no rank ever holds the whole video's activations.
 """
 
 from __future__ import annotations
@@ -32,11 +40,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from loong_models.diffusion.config import WanConfig
 from loong_models.diffusion.embeddings import rope_3d, timestep_features
 from loong_models.diffusion.layers import WanDecoder, _linear, layer_norm
+from loong_models.diffusion.pointwise import Pointwise
+from loong_models.diffusion.tokens import context_parallel_part, unpatchify
 from loong_models.specs import dit_modules, fusion_fields
 
 # What a component takes over from the runtime's TransformerConfig (precision, initialisation).
 RUNTIME_FIELDS = ("params_dtype", "pipeline_dtype", "bf16", "fp16", "use_cpu_initialization",
-                  "perform_initialization", "deterministic_mode", "calculate_per_token_loss")  # fmt: skip
+                  "perform_initialization", "deterministic_mode", "calculate_per_token_loss",
+                  "context_parallel_size", "cp_comm_type")  # fmt: skip
 
 
 def build_wan_transformer_config(
@@ -84,7 +95,7 @@ class WanModel(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder  # megatron's schedules ask
         mods = dit_modules(layer_backend)
         d, dt = cfg.dim, config.params_dtype
-        self.sp = config.sequence_parallel
+        self.sp, self.cp = config.sequence_parallel, config.context_parallel_size
         whole = dataclasses.replace(config, sequence_parallel=False) if self.sp else config  # text / time paths
         self.patch_embedding = torch.nn.Conv3d(cfg.in_channels, d, cfg.patch_size, cfg.patch_size, dtype=dt)
         self.time_embedding = torch.nn.ModuleDict({
@@ -98,7 +109,9 @@ class WanModel(MegatronModule):
             self.image_norm1 = torch.nn.LayerNorm(cfg.image_dim, dtype=dt)
             self.image_embedding = _TwoLayerMLP(cfg.image_dim, d, whole, mods, "gelu")
             self.image_norm2 = torch.nn.LayerNorm(d, dtype=dt)
-        self.decoder = WanDecoder(cfg, config, mods, whole)
+        fuse = cfg.fuse_pointwise if cfg.fuse_pointwise is not None else layer_backend == "te"
+        self.pw = Pointwise.build(fuse)
+        self.decoder = WanDecoder(cfg, config, mods, self.pw, whole)
         self.head = torch.nn.Module()
         self.head.modulation = torch.nn.Parameter(torch.randn(1, 2, d, dtype=dt) / d**0.5)
         self.head.linear = torch.nn.Linear(d, cfg.out_channels * cfg.patch_volume, dtype=dt)
@@ -128,13 +141,17 @@ class WanModel(MegatronModule):
         return e.float(), proj.float().unflatten(-1, (6, self.cfg.dim))
 
     def forward(self, latents, timestep, context, image=None) -> torch.Tensor:
+        """The velocity ``[b, c, f, h, w]``; under context parallelism this rank's part of its
+        patch tokens ``[b, tokens / cp, pf*ph*pw*c]`` (:func:`loong_models.diffusion.tokens.patch_tokens` order)."""
         cfg = self.cfg
         grid = self.grid(latents)
-        b = latents.shape[0]
         x = self.patch_embedding(latents).flatten(2).permute(2, 0, 1)  # [s, b, d]
         temb, tmod = self.embed_time(timestep)
         # per sample [b, d] -> [1, b, ...]; per token (Wan2.2 TI2V) [b, s, d] -> [s, b, ...]
         temb, tmod = (temb[None], tmod[None]) if timestep.dim() == 1 else (temb.transpose(0, 1), tmod.transpose(0, 1))
+        rope = rope_3d(grid, cfg.rope_split, cfg.rope_theta, x.device)
+        if self.cp > 1:
+            x, temb, tmod, rope = self._split_context(x, temb, tmod, rope)
         if self.sp:
             x, temb, tmod = self._split_sequence(x, temb, tmod)
         ctx = self.text_embedding(context.transpose(0, 1).to(x.dtype))
@@ -142,13 +159,22 @@ class WanModel(MegatronModule):
         if image is not None:
             img = self.image_embedding(layer_norm(image.transpose(0, 1), 1e-5, self.image_norm1).to(x.dtype))
             img = layer_norm(img, 1e-5, self.image_norm2).to(x.dtype)
-        rope = rope_3d(grid, cfg.rope_split, cfg.rope_theta, x.device)
         x = self.decoder(x, ctx, tmod, rope, img)
         shift, scale = (self.head.modulation.float() + temb[..., None, :]).unbind(-2)
-        x = self.head.linear((layer_norm(x, cfg.eps) * (1 + scale) + shift).to(x.dtype))
+        x = self.head.linear(self.pw.modulate(x, cfg.eps, scale, shift))
         if self.sp:  # the loss is computed whole on every rank: the backward just splits the grad
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
-        return self._unpatchify(x, b, grid)
+        x = x.transpose(0, 1)
+        return x if self.cp > 1 else unpatchify(x, cfg.patch_size, grid)
+
+    def _split_context(self, x, temb, tmod, rope):
+        """This CP rank's contiguous part of the tokens, of their RoPE angles and (per-token
+        timesteps) of their modulation. Everything before the split is computed whole on each CP
+        rank; its gradients are partial and summed over DP x CP with all the others."""
+        tp = mpu.get_tensor_model_parallel_world_size() if self.sp else 1
+        part = context_parallel_part(x.shape[0], self.cp, mpu.get_context_parallel_rank(), multiple=tp)
+        cut = lambda t: t if t.shape[0] == 1 else t[part]  # noqa: E731
+        return x[part], cut(temb), cut(tmod), tuple(r[part] for r in rope)
 
     def _split_sequence(self, x: torch.Tensor, temb: torch.Tensor, tmod: torch.Tensor):
         """This rank's part of the tokens (and of per-token timestep embeddings). The timestep
@@ -161,8 +187,3 @@ class WanModel(MegatronModule):
                              f"{tp} tensor-parallel ranks (parallel.sequence_parallel)")  # fmt: skip
         part = lambda t: t if t.shape[0] == 1 else t[rank * (s // tp) : (rank + 1) * (s // tp)]  # noqa: E731
         return scatter_to_sequence_parallel_region(x), part(temb), part(tmod)
-
-    def _unpatchify(self, x: torch.Tensor, b: int, grid: tuple[int, int, int]) -> torch.Tensor:
-        (pf, ph, pw), (f, h, w) = self.cfg.patch_size, grid
-        x = x.transpose(0, 1).reshape(b, f, h, w, pf, ph, pw, -1)
-        return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, -1, f * pf, h * ph, w * pw)
