@@ -185,6 +185,7 @@ class ImageEncoder(MegatronModule):
         """``(features [N, hidden], deepstack)``: the last layer's patch features and, for each of
         ``deepstack_visual_indexes``, that layer's output (both in input order)."""
         cfg, t = self.cfg, self.encoder_type
+        grid_thw = grid_thw.cpu()  # host bookkeeping (no-op for the grids the forward step keeps there)
         n = num_patches(grid_thw)
         if pixel_values.dim() != 2 or pixel_values.shape != (n, cfg.patch_dim):
             raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; grid_thw {grid_thw.tolist()} "
