@@ -23,9 +23,14 @@ import torch.distributed as dist
 
 from loong_data.log import logger
 from loong_data.multimodal.chat import ChatTokenizer, load_chat_tokenizer
-from loong_data.multimodal.pipeline import MultimodalSample, PackedMultimodalDataset, collate_multimodal, list_shards
-from loong_data.packed_collate import padded_length
+from loong_data.multimodal.pipeline import (
+    MultimodalSample,
+    PackedMultimodalDataset,
+    collate_multimodal,
+    list_shards,
+)
 from loong_data.multimodal.processor import VisionProcessorConfig
+from loong_data.packed_collate import padded_length
 from loong_data.packing import packing_strategy
 from loong_data.prefetch import pinned, prefetch
 from loong_data.step_data.config import DataConfig
