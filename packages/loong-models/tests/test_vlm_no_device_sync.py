@@ -20,7 +20,6 @@ from loong_models import (
     load_model_config,
     packed_seq_params,
 )
-from loong_models.attention import packed
 from loong_models.attention.token_rope import TokenRopeSelfAttention
 from loong_models.testing import packed_batch
 
@@ -113,8 +112,8 @@ def host_inputs(batch: dict) -> dict:
     return dict(
         batch, input_ids=device_only(batch["input_ids"]), pixel_values=device_only(batch["pixel_values"]),
         pixel_values_videos=device_only(batch["pixel_values_videos"]),
-        packed_seq_params=packed_seq_params(device_only(cu), batch["packed_seq_params"].max_seqlen_q),
-        host_input_ids=batch["input_ids"], host_cu_seqlens=cu,
+        packed_seq_params=packed_seq_params(device_only(cu), batch["packed_seq_params"].max_seqlen_q, bounds=cu.tolist()),
+        host_input_ids=batch["input_ids"],
     )  # fmt: skip
 
 
@@ -126,18 +125,15 @@ def test_device_only_refuses_host_reads():
     assert type(t + 1) is DeviceOnly
 
 
-def test_vlm_forward_with_host_copies_reads_nothing_back(megatron_cpu, monkeypatch):
+def test_vlm_forward_with_host_copies_reads_nothing_back(megatron_cpu):
+    """Token ids and segment boundaries on the host beside their device tensors (as the forward
+    step passes them): no device tensor is read back, ViT and LLM attention (SDPA here) included."""
     model = tiny_vlm()
     assert isinstance(model, OmniCombinationModel)
     batch = packed_batch()
-
-    def host_bounds(cu):  # the local backend's SDPA reads its segments (TE's attention does not)
-        with torch._C.DisableTorchFunctionSubclass():
-            return [int(x) for x in cu.tolist()]
-
-    monkeypatch.setattr(packed, "segment_bounds", host_bounds)
     inputs = host_inputs(batch)
-    without = {k: v for k, v in inputs.items() if not k.startswith("host_")}
+    without = {k: v for k, v in inputs.items() if k != "host_input_ids"}
+    without["packed_seq_params"] = packed_seq_params(inputs["packed_seq_params"].cu_seqlens_q, 23)
     with pytest.raises(AssertionError, match="read a device tensor"):  # the bookkeeping needs the copies
         model(**without)
     loss = model(**inputs)

@@ -383,13 +383,16 @@ def fusion_fields(backend: str) -> dict[str, bool]:
 
 
 def vision_block_spec(
-    config: TransformerConfig, *, backend: str, window_layers: frozenset[int] = frozenset()
+    config: TransformerConfig, *, backend: str, window_layers: frozenset[int] = frozenset(), attention: str = "sdpa"
 ):
     """Layer specs of an image encoder (ViT): bidirectional attention over packed (THD) images.
 
-    ``te``: megatron's TE layer (fused norm + linears, TE attention). ``local``: megatron's local
-    modules with :class:`SDPAttention` (one SDPA per image / window segment) and Loong's RMSNorm,
-    or megatron's torch LayerNorm for LayerNorm encoders. Layers in ``window_layers`` (0-based) are
+    ``te``: megatron's TE layer (fused norm + linears). ``local``: megatron's local modules with
+    Loong's RMSNorm, or megatron's torch LayerNorm for LayerNorm encoders. Core attention
+    (``attention="sdpa"``) is :class:`SDPAttention` on both: one batched SDPA per segment length
+    (the windows / frames of equal-sized images: one call), torch's flash kernel on CUDA. cuDNN's
+    THD attention backward (TE's, ``attention="backend"``) ran a preprocessing kernel of ~4.5 ms
+    per layer at Qwen2.5-VL's head dim 80 on an H100, a third of a training step. Layers in ``window_layers`` (0-based) are
     :class:`WindowAttentionLayer`: the same modules, attending within the windows of the packed
     parameters instead of whole images (Qwen2.5-VL).
     """
@@ -400,7 +403,9 @@ def vision_block_spec(
     final_norm = provider.layer_norm(rms_norm=rms)  # TENorm takes the norm type from config.normalization
     base = layer_spec(provider, LayerShape(rms_norm=rms))
     attn = base.submodules.self_attention
-    attn = dataclasses.replace(attn, params={**attn.params, "attn_mask_type": AttnMaskType.no_mask})
+    core = SDPAttention if attention == "sdpa" else attn.submodules.core_attention
+    attn = dataclasses.replace(attn, params={**attn.params, "attn_mask_type": AttnMaskType.no_mask},
+                               submodules=dataclasses.replace(attn.submodules, core_attention=core))  # fmt: skip
     base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=attn))
     base = token_rope_attention(base, backend)  # 2-D RoPE: one rotary row per patch
     windowed = dataclasses.replace(base, module=WindowAttentionLayer)

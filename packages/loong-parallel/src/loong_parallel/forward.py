@@ -28,7 +28,8 @@ def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_
     tokens = batch["tokens"].to(device, non_blocking=True)
     packed = None
     if "cu_seqlens" in batch:
-        packed = packed_seq_params(batch["cu_seqlens"].to(device, non_blocking=True), batch["max_seqlen"])
+        cu = batch["cu_seqlens"]  # on the host, and its boundaries for attention that splits by segment
+        packed = packed_seq_params(cu.to(device, non_blocking=True), batch["max_seqlen"], bounds=cu.tolist())
     media = vlm_inputs(batch, device)
     run = model.build_schedule_plan if return_schedule_plan else model
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
@@ -45,17 +46,15 @@ def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_
 
 
 def vlm_inputs(batch: dict, device: torch.device) -> dict:
-    """A multimodal micro-batch's keywords for OmniCombinationModel: pixels on the device; grids,
-    token ids and segment boundaries on the host, where the model's bookkeeping (positions,
-    placeholders, ViT segments and windows) reads them without waiting for the device. Nothing
-    for a text batch (no media keys)."""
+    """A multimodal micro-batch's keywords for OmniCombinationModel: pixels on the device; grids
+    and token ids on the host (segment boundaries: in the packed parameters), where the model's
+    bookkeeping (positions, placeholders, ViT segments and windows) reads them without waiting
+    for the device. Nothing for a text batch (no media keys)."""
     if not any(key in batch for key in MEDIA_KEYS):
         return {}
     media = {key: batch[key] if key in HOST_MEDIA_KEYS else batch[key].to(device, non_blocking=True)
              for key in MEDIA_KEYS if key in batch and batch[key].numel()}  # a pack without images: empty  # fmt: skip
     media["host_input_ids"] = batch["tokens"]
-    if "cu_seqlens" in batch:
-        media["host_cu_seqlens"] = batch["cu_seqlens"]
     return media
 
 

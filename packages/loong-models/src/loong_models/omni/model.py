@@ -6,8 +6,9 @@ writes them over the placeholder tokens' embeddings, then runs its share of the 
 Every stage computes the multimodal RoPE positions from ``input_ids`` + grids (cheap host work),
 so later stages need the token ids and grids, never the pixels. That bookkeeping (positions,
 placeholder indices, the ViT's segments and windows) reads token ids and grids on the host: the
-forward step keeps the grids there and passes the host copy of the token ids and segment
-boundaries (``host_input_ids``, ``host_cu_seqlens``), so a forward never waits for the device.
+forward step keeps the grids there and passes the host copy of the token ids (``host_input_ids``)
+and of the segment boundaries (``HostPackedSeqParams.bounds``), so a forward never waits for the
+device.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from loong_models.host import to_device
 from loong_models.image_encoder import ImageEncoder
 from loong_models.image_projector import ImageProjector
 from loong_models.omni.mrope import VisionTokenIds, mrope_positions
+from loong_models.packed_seq import host_bounds
 
 # The media inputs of forward(), as micro-batches carry them (loong_data.multimodal collates them).
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -60,10 +62,10 @@ class OmniCombinationModel(MegatronModule):
 
     ``forward(input_ids, position_ids, attention_mask, labels=None, packed_seq_params=None,
     pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-    second_per_grid_ts=None, host_input_ids=None, host_cu_seqlens=None)`` -> per-token loss
-    ``[1, S]`` with labels, logits without (hidden states on non-last pipeline stages), like
-    GPTModel. ``host_*``: host copies of ``input_ids`` and ``packed_seq_params.cu_seqlens_q``
-    (without them the bookkeeping reads the device tensors back: a sync per read).
+    second_per_grid_ts=None, host_input_ids=None)`` -> per-token loss ``[1, S]`` with labels,
+    logits without (hidden states on non-last pipeline stages), like GPTModel. ``host_input_ids``:
+    the host copy of ``input_ids`` (without it, and without ``bounds`` in ``packed_seq_params``,
+    the bookkeeping reads the device tensors back: a sync per read).
     """
 
     def __init__(
@@ -126,12 +128,12 @@ class OmniCombinationModel(MegatronModule):
         second_per_grid_ts=None,
         *,
         host_input_ids: torch.Tensor | None = None,
-        host_cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[3, 1, S]`` multimodal RoPE positions of a packed micro-batch, on ``input_ids``' device
-        (computed on the host from the ``host_*`` copies when given)."""
+        (computed from the host copies of the ids and boundaries when given)."""
         cu = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
-        cu = host_cu_seqlens if host_cu_seqlens is not None and cu is not None else cu
+        bounds = host_bounds(packed_seq_params)
+        cu = torch.tensor(bounds) if bounds is not None else cu
         positions = mrope_positions(
             host_input_ids if host_input_ids is not None else input_ids, self.token_ids,
             spatial_merge_size=self.spatial_merge_size, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
@@ -204,13 +206,11 @@ class OmniCombinationModel(MegatronModule):
         video_grid_thw: torch.Tensor | None = None,
         second_per_grid_ts=None,
         host_input_ids: torch.Tensor | None = None,
-        host_cu_seqlens: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         if self.mrope:
             position_ids = self.positions(input_ids, packed_seq_params, image_grid_thw, video_grid_thw,
-                                          second_per_grid_ts, host_input_ids=host_input_ids,
-                                          host_cu_seqlens=host_cu_seqlens)  # fmt: skip
+                                          second_per_grid_ts, host_input_ids=host_input_ids)  # fmt: skip
         decoder_input = None
         if self.pre_process:
             if input_ids.shape[0] != 1 and (pixel_values is not None or pixel_values_videos is not None):
