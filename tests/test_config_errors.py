@@ -38,6 +38,7 @@ def test_wrong_type_is_named():
         ("parallel.tp=3", r"parallel.tp=3 must divide the attention heads \(4\) and KV groups \(2\)"),
         ("train.global_batch_size=12", r"train.global_batch_size=12 must be a multiple of train.micro_batch_size"),
         ("data.seq_length=4096", r"data.seq_length=4096 must be in \[2, model.foundation.max_position_embeddings"),
+        ("train.profile.steps=0", r"train.profile.steps=0 must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

@@ -51,6 +51,7 @@ from loong_parallel import (
     train_step,
 )
 from loong_train.log import logger
+from loong_train.profile import StepProfiler
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
 from loong_xpu import get_accelerator, redirect_cuda
 
@@ -185,7 +186,9 @@ class Trainer:
         try:
             self._start_loop()
             for step in range(self.start_step + 1, t.steps + 1):
+                self.profiler.before(step)
                 result = self.step(step)
+                self.profiler.after(step)
                 self._log(step, result)
                 self.nonfinite.observe(step, result)  # raises after train.nonfinite_limit in a row
                 if step != t.steps:
@@ -212,6 +215,8 @@ class Trainer:
                         dynamic_ncols=True, desc="train")  # fmt: skip
         self._exit.callback(self.bar.close)
         self.window = StepWindow()
+        self.profiler = StepProfiler(t.profile, self.out_dir, rank=dist.get_rank(), device_type=self.accel.device_type)
+        self._exit.callback(self.profiler.close)
         self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from, config=self.cfg,
                                   tokens_per_step=t.global_batch_size * self.cfg.data.seq_length)  # fmt: skip
         self.nonfinite = NonFiniteGuard(t.nonfinite_limit)
