@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -343,7 +344,7 @@ def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float
 def run_loong_text_only(args, work: Path) -> dict:
     """The same LLM on text-only packs of the same length (each image of the bench's samples
     replaced by as many text tokens; encoder and projector frozen and never run): its tokens/s
-    and the train app's MFU over the steps after warm-up."""
+    and the train app's MFU (NaN without a known peak: CPU) over the steps after warm-up."""
     jsonl = write_bench_data(work / "data", image_size=args.image_size, images_per_sample=args.images_per_sample,
                              num_samples=args.num_samples, text_only=True)  # fmt: skip
     frozen = ["++model.image_encoder.freeze=true", "++model.image_projector.freeze=true"]
@@ -358,7 +359,7 @@ def run_loong_text_only(args, work: Path) -> dict:
     if any(r["step_images"] for r in rows):
         raise SystemExit("the text-only run's packs hold images")
     t = sum(r["step_time_s"] for r in rows)
-    return {"tokens_per_s": sum(r["step_tokens"] for r in rows) / t, "mfu": statistics.mean(r["mfu"] for r in rows),
+    return {"tokens_per_s": sum(r["step_tokens"] for r in rows) / t, "mfu": statistics.mean(r.get("mfu", math.nan) for r in rows),
             "tokens_per_step": statistics.mean(r["step_tokens"] for r in rows),
             "peak_gib": max(r["peak_mem_gib"] for r in rows)}  # fmt: skip
 
