@@ -143,7 +143,7 @@ def build_diffusers(cfg, dtype: torch.dtype, device: str):
 
 def train(args, forward, model, device: str, dtype: torch.dtype, cfg, stack: str) -> dict:
     from loong_models.diffusion import FlowMatching, FlowMatchingConfig
-    from loong_train.profile import ProfileConfig, StepProfiler
+    from loong_parallel import ProfileConfig, StepProfiler
 
     window = ProfileConfig(start_step=args.warmup + 1 if args.profile else 0, steps=2, dir=f"{args.profile}/{stack}")
     profiler = StepProfiler(window, Path(args.profile or "."), rank=0, device_type=device)

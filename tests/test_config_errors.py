@@ -115,6 +115,18 @@ def test_context_parallelism_names_what_it_cannot_combine_with():
         validate(cfg, world_size=2)
 
 
+@pytest.mark.parametrize("overrides, what", [
+    (["data.packing=thd"], r"data.packing=thd \(a packed step's shapes change"),
+    (["++model.foundation.recompute=selective"], r"model.foundation.recompute \(megatron drops"),
+    (["model=tiny-vlm"], r"a model with an image encoder"),
+])  # fmt: skip
+def test_cuda_graphs_name_what_they_cannot_capture(overrides, what):
+    assert validate(to_config(compose_config("parallel.cuda_graphs=local")), world_size=1) == 2
+    cfg = to_config(compose_config("parallel.cuda_graphs=local", *overrides))
+    with pytest.raises(ConfigError, match=rf"parallel.cuda_graphs=local cannot combine with {what}"):
+        validate(cfg, world_size=1)
+
+
 def test_init_from_without_a_chosen_phase_or_rate_gets_the_fine_tuning_recipe():
     from loong_train.recipe import apply_finetune_recipe
 

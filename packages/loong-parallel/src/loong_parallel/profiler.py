@@ -1,4 +1,4 @@
-"""``train.profile``: a torch-profiler window over a few optimizer steps, written as a table of the
+"""A torch-profiler window over a few optimizer steps, written as a table of the
 most expensive operators (per device kernel time on an accelerator, CPU time otherwise) and,
 optionally, a Chrome trace. Off by default; a run profiles steps ``start_step`` to
 ``start_step + steps - 1`` so that warm-up (allocator growth, autotuning, first compiles) is left
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from loong_train.log import logger
+from loong_parallel.log import logger
 
 
 @dataclass
