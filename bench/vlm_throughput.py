@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -244,9 +245,12 @@ def bundled_captions() -> list[tuple[Path, str]]:
     return out
 
 
-def write_bench_data(out: Path, *, image_size: int, images_per_sample: int, num_samples: int) -> Path:
+def write_bench_data(out: Path, *, image_size: int, images_per_sample: int, num_samples: int,
+                     text_only: bool = False) -> Path:  # fmt: skip
     """JSONL + images for `data.multimodal.jsonl`: each sample shows ``images_per_sample`` bundled
-    photos resized to ``image_size`` x ``image_size`` and the assistant gives their captions."""
+    photos resized to ``image_size`` x ``image_size`` and the assistant gives their captions.
+    ``text_only``: each photo is replaced by text of as many tokens (its caption, repeated), so the
+    samples and packs have the lengths of the multimodal ones without any image."""
     from PIL import Image
 
     pairs = bundled_captions()
@@ -257,10 +261,13 @@ def write_bench_data(out: Path, *, image_size: int, images_per_sample: int, num_
         with Image.open(path) as im:
             im.convert("RGB").resize((image_size, image_size), Image.Resampling.BICUBIC).save(out / name)
         names.append(name)
+    if text_only:  # <|vision_start|> + (size / 28)**2 image tokens + <|vision_end|>
+        names = [text_filler(caption, (image_size // 28) ** 2 + 2) for _, caption in pairs]
     lines = []
     for i in range(num_samples):
         picks = [(i * images_per_sample + j) % len(pairs) for j in range(images_per_sample)]
-        content = [{"type": "image", "image": names[k]} for k in picks]
+        content = [{"type": "text", "text": names[k]} if text_only else {"type": "image", "image": names[k]}
+                   for k in picks]  # fmt: skip
         content.append({"type": "text", "text": f"Describe these {images_per_sample} images, in order."})
         answer = " ".join(f"{n + 1}. {pairs[k][1]}" for n, k in enumerate(picks))
         lines.append(json.dumps({"id": f"bench-{i}", "messages": [
@@ -270,6 +277,18 @@ def write_bench_data(out: Path, *, image_size: int, images_per_sample: int, num_
     jsonl = out / "bench.jsonl"
     jsonl.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return jsonl
+
+
+def text_filler(text: str, tokens: int) -> str:
+    """``text`` repeated and cut to about ``tokens`` tokens of the bundled chat tokenizer."""
+    from loong_data.multimodal import load_chat_tokenizer
+
+    hf = load_chat_tokenizer(None).hf
+    words = text.split()
+    out: list[str] = []
+    while len(hf.encode(" ".join(out), add_special_tokens=False)) < tokens:
+        out.append(words[len(out) % len(words)])
+    return " ".join(out)
 
 
 def train_overrides(args, jsonl: Path, workdir: Path) -> list[str]:
@@ -320,6 +339,29 @@ def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float
     train = run_train_app(cmd, out, label="loong run")
     counts = [{k: r[f"step_{k}"] for k in SAME_DATA} for r in train]
     return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train), counts
+
+
+def run_loong_text_only(args, work: Path) -> dict:
+    """The same LLM on text-only packs of the same length (each image of the bench's samples
+    replaced by as many text tokens; encoder and projector frozen and never run): its tokens/s
+    and the train app's MFU (NaN without a known peak: CPU) over the steps after warm-up."""
+    jsonl = write_bench_data(work / "data", image_size=args.image_size, images_per_sample=args.images_per_sample,
+                             num_samples=args.num_samples, text_only=True)  # fmt: skip
+    frozen = ["++model.image_encoder.freeze=true", "++model.image_projector.freeze=true"]
+    cmd = [
+        sys.executable, "-m", "loong_train", "--config-name=vlm", *train_overrides(args, jsonl, work), *frozen,
+        f"train.steps={args.steps}", "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false",
+        "train.progress=false", f"train.output_dir={work / 'run'}", "optim.lr=3e-4", "optim.min_lr=3e-5",
+        f"optim.warmup_steps={args.warmup}", *args.loong_extra,
+    ]  # fmt: skip
+    print("loong text-only:", " ".join(cmd[2:]), flush=True)
+    rows = run_train_app(cmd, work / "run", label="loong text-only run")[args.warmup :]
+    if any(r["step_images"] for r in rows):
+        raise SystemExit("the text-only run's packs hold images")
+    t = sum(r["step_time_s"] for r in rows)
+    return {"tokens_per_s": sum(r["step_tokens"] for r in rows) / t, "mfu": statistics.mean(r.get("mfu", math.nan) for r in rows),
+            "tokens_per_step": statistics.mean(r["step_tokens"] for r in rows),
+            "peak_gib": max(r["peak_mem_gib"] for r in rows)}  # fmt: skip
 
 
 def hf_worker(args) -> None:
@@ -387,6 +429,21 @@ def hf_worker(args) -> None:
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     print(json.dumps({"step_times": times, "counts": counts, "peak_gib": peak,
                       "params": sum(p.numel() for p in model.parameters())}))  # fmt: skip
+
+
+def data_counts(cfg, steps: int) -> list[dict]:
+    """Per step, what the train app's packs hold and their FLOPs (vlm_flops.step_counts), from the
+    same data path (for runs without an HF worker, which otherwise counts them)."""
+    from loong_train.trainer import run_data, step_layout
+
+    data = run_data(cfg, step_layout(cfg, num_microbatches=cfg.train.global_batch_size // cfg.train.micro_batch_size))
+    batches = data.train_steps()
+    out = []
+    for _ in range(steps):
+        c = step_counts(next(batches), cfg.model, data.tokenizer.pad_id)
+        out.append({"tokens": c.tokens, "images": c.images, "patches": c.patches, "vision_flops": c.vision_flops,
+                    "flops": c.flops})  # fmt: skip
+    return out
 
 
 def run_hf(args, mode: str, overrides: list[str]) -> dict:
@@ -466,6 +523,9 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=3,
                    help="samples per HF micro-batch (padded to its longest sample, as an HF user batches)")
     p.add_argument("--skip-loong", action="store_true")
+    p.add_argument("--text-only", action="store_true",
+                   help="also run Loong on text-only packs of the same length (the same LLM, no images): "
+                        "LLM tokens/s of the vision-heavy mix / text-only (issue target >= 0.85)")
     p.add_argument("--loong-extra", nargs="*", default=[], help="extra overrides for the Loong run")
     p.add_argument("--worker", choices=["hf"], help=argparse.SUPPRESS)
     p.add_argument("--hf-mode", default="amp", help=argparse.SUPPRESS)
@@ -490,20 +550,21 @@ def main() -> None:
             hf = run_hf(args, mode, overrides)
             rows.append(Row(f"hf transformers ({mode}, sdpa, batches of {args.hf_batch_size})", hf["step_times"],
                             hf["peak_gib"], [{k: c[k] for k in SAME_DATA} for c in hf["counts"]]))  # fmt: skip
+        text = run_loong_text_only(args, work / "text") if args.text_only else None
         check_same_data(rows)  # the same samples, tokens, images and digest, step by step
         c = rows[-1].counts
         print(f"same data in all {len(rows)} runs: {sum(x['samples'] for x in c)} samples, "
               f"{sum(x['tokens'] for x in c):,} tokens, {sum(x['images'] for x in c)} images, equal digests")
+        cfg = compose(overrides)
+        counts = hf["counts"] if hf else data_counts(cfg, args.steps)  # the step FLOPs of the (same) packs
     import torch
 
-    cfg = compose(overrides)
     shape = bench_shape(cfg.model)
-    counts = hf["counts"]
     kept = counts[args.warmup :]
     n_llm = shape.text.num_parameters()
     n_vis = cfg.model.num_parameters() - cfg.model.foundation.num_parameters()  # encoder + projector
     print(f"\n{args.model} with {args.text_layers} LLM / {args.vision_layers} ViT layers: {(n_llm + n_vis) / 1e9:.3f}B "
-          f"params ({n_llm / 1e9:.3f}B LLM + {n_vis / 1e9:.3f}B vision; HF built {hf['params'] / 1e9:.3f}B), "
+          f"params ({n_llm / 1e9:.3f}B LLM + {n_vis / 1e9:.3f}B vision; HF built {hf.get('params', 0) / 1e9:.3f}B), "
           f"seq {args.seq}, {args.samples_per_step} samples/step x {args.images_per_sample} images of "
           f"{args.image_size}x{args.image_size}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")  # fmt: skip
     print(f"per step (mean after warm-up): {statistics.mean(c['tokens'] for c in kept):,.0f} tokens, "
@@ -514,6 +575,13 @@ def main() -> None:
     if len(rows) > 1 and not args.skip_loong:
         loong_t, hf_t = sum(rows[0].step_times[args.warmup :]), sum(rows[1].step_times[args.warmup :])
         print(f"\nloong / {rows[1].name}: {hf_t / loong_t:.3f}x tokens/s")
+    if text is not None:
+        print(f"\nloong text-only (same LLM, text packs of seq {args.seq}, {text['tokens_per_step']:,.0f} tokens/step): "
+              f"{text['tokens_per_s']:,.0f} tokens/s, MFU {text['mfu']:.3f}, peak {text['peak_gib']:.1f} GiB")
+        if not args.skip_loong:
+            mm = rows[0]
+            vlm = sum(c["tokens"] for c in mm.counts[args.warmup :]) / sum(mm.step_times[args.warmup :])
+            print(f"LLM tokens/s, vision-heavy mix / text-only: {vlm / text['tokens_per_s']:.3f}x (target >= 0.85)")
 
 
 if __name__ == "__main__":

@@ -189,3 +189,30 @@ def test_hf_batches_hold_the_packed_samples_and_give_their_loss():
         together = model(**batch).loss
         alone = [model(**hf_batch([s], 0, IMG, VID)).loss for s in samples]
     assert together.item() == pytest.approx(((3 * alone[0] + 2 * alone[1]) / 5).item(), rel=1e-5)
+
+
+def test_text_only_bench_data_has_the_lengths_of_the_image_samples_without_images(tmp_path):
+    """--text-only trains the same LLM on text packs of the same length: every image of a sample
+    becomes text of as many tokens (within a few), and no pack holds an image."""
+    import argparse
+
+    from vlm_throughput import compose, train_overrides, write_bench_data
+
+    from loong_train.trainer import run_data, step_layout
+
+    args = argparse.Namespace(model="tiny-vlm", text_layers=2, vision_layers=2, image_size=56, num_samples=8,
+                              seq=256, samples_per_step=4, dtype="fp32", model_overrides=[])  # fmt: skip
+    lengths = {}
+    for text_only in (False, True):
+        work = tmp_path / str(text_only)
+        jsonl = write_bench_data(work / "data", image_size=56, images_per_sample=3, num_samples=8, text_only=text_only)
+        cfg = compose(train_overrides(args, jsonl, work))
+        data = run_data(cfg, step_layout(cfg, num_microbatches=4))
+        mbs = next(data.train_steps())
+        assert sum(mb["image_grid_thw"].shape[0] for mb in mbs) == (0 if text_only else 12)
+        segments = [(mb["tokens"][0], lo, hi) for mb in mbs
+                    for lo, hi in zip(mb["cu_seqlens"][:-1].tolist(), mb["cu_seqlens"][1:].tolist())]  # fmt: skip
+        lengths[text_only] = sorted(hi - lo for t, lo, hi in segments if (t[lo:hi] != data.tokenizer.pad_id).any())
+    assert len(lengths[True]) == len(lengths[False])
+    for text, image in zip(lengths[True], lengths[False]):
+        assert abs(text - image) <= 3 * 3, (text, image)  # 3 images, a word's tokens of slack each

@@ -1,5 +1,7 @@
 """The ViTs against HF transformers, built from config classes with random weights, fp32."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -103,15 +105,18 @@ def test_siglip_vit_matches_hf(megatron_cpu, size):
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not te_installed(), reason="needs CUDA and transformer-engine"
 )
-def test_qwen25_vit_te_backend_matches_hf_on_cuda():
-    """The TE layer spec (fused norm + linears, TE THD attention per frame / window) in bf16 against
-    HF in fp32 on the same GPU: relative error of the merged features <= 2e-2 (bf16 weights and
-    activations, ~4e-3 per rounding, over 3 layers)."""
+@pytest.mark.parametrize("attention", ["sdpa", "backend"])
+def test_qwen25_vit_te_backend_matches_hf_on_cuda(attention):
+    """The TE layer spec (fused norm + linears; core attention SDPA batched per segment length, or
+    TE's THD attention per frame / window) in bf16 against HF in fp32 on the same GPU: relative
+    error of the merged features <= 2e-2 (bf16 weights and activations, ~4e-3 per rounding, over
+    3 layers); the backward runs to finite gradients."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     with megatron_world(get_accelerator("cuda")):
         torch.manual_seed(0)
         hf_cfg, enc_cfg, proj_cfg = qwen_configs()
+        enc_cfg = dataclasses.replace(enc_cfg, attention=attention)
         hf_cfg._attn_implementation = "sdpa"
         hf = Qwen2_5_VisionTransformerPretrainedModel(hf_cfg).eval().cuda()
         with torch.no_grad():
@@ -129,3 +134,5 @@ def test_qwen25_vit_te_backend_matches_hf_on_cuda():
             expected = hf(pixels, grid_thw=grid.cuda()).pooler_output.float()
             got = projector(encoder(pixels, grid)).float()
         assert ((got - expected).norm() / expected.norm()).item() <= 2e-2
+        projector(encoder(pixels, grid)).float().square().mean().backward()
+        assert all(torch.isfinite(p.grad).all() for p in encoder.parameters())

@@ -10,6 +10,7 @@ a ``StepData`` factory passed as ``Trainer(cfg, data=...)``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -54,6 +55,8 @@ from loong_train.log import logger
 from loong_train.schema import Config, ConfigError, check_data_fits_model, patch_geometry, validate
 from loong_xpu import get_accelerator, redirect_cuda
 
+# Packs shorter than data.seq_length are padded to a multiple of this (TE's FP8 GEMMs need 16).
+PACK_MULTIPLE = 128
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -72,10 +75,12 @@ class RunSummary:
 def step_layout(cfg: Config, *, num_microbatches: int, dp: DataParallel | None = None,
                 device: torch.device | None = None) -> StepLayout:  # fmt: skip
     """What the data needs to know about the run (``dp`` None: a single process)."""
-    t = cfg.train
+    t, p = cfg.train, cfg.parallel
+    static = p.pp > 1 or p.chunkpipe.enabled  # pipeline stages (and ChunkPipe) exchange fixed shapes
     return StepLayout(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
                       num_microbatches=num_microbatches, eval_iters=t.eval_iters, seed=t.seed, device=device,
-                      segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
+                      segment_multiple=2 * p.cp if p.cp > 1 else 1,
+                      pack_multiple=None if static else math.lcm(PACK_MULTIPLE, p.tp),  # SP splits packs over TP
                       **(dict(dp_rank=dp.rank, dp_size=dp.size, dp_group=dp.group) if dp else {}))  # fmt: skip
 
 

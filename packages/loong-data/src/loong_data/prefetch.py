@@ -1,11 +1,15 @@
 """Run an iterator ahead in a background thread: the next step's samples are decoded, resized and
-packed while the accelerator trains on this one (PIL and numpy release the GIL for most of it)."""
+packed while the accelerator trains on this one (PIL and numpy release the GIL for most of it);
+and stage its tensors in page-locked memory there, so that the step's copies to a CUDA device are
+asynchronous (a copy from pageable memory may wait for the device's queued work)."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Iterator
+
+import torch
 
 _DONE = object()
 
@@ -45,3 +49,14 @@ def prefetch[T](items: Iterator[T], depth: int = 1) -> Iterator[T]:
             yield item
     finally:
         stop.set()
+
+
+def pinned(steps: Iterator[list[dict]], device: torch.device | None) -> Iterator[list[dict]]:
+    """Each step's micro-batches with their tensors in page-locked host memory when ``device`` is a
+    CUDA device (as the steps come: inside :func:`prefetch`'s thread when it wraps this), else as
+    they are."""
+    if device is None or torch.device(device).type != "cuda":
+        yield from steps
+        return
+    for microbatches in steps:
+        yield [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in microbatches]

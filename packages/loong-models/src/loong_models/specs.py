@@ -139,6 +139,8 @@ def _decoder_block_spec(config: TransformerConfig, *, backend: str, vp_stage: in
     provider = spec_provider(backend)
     pattern = _moe_layer_pattern(config)
     kinds = {moe: _decoder_layer(config, provider, moe=bool(moe)) for moe in set(pattern)}
+    if config.mrope_section is not None and not config.multi_latent_attention:
+        kinds = {moe: token_rope_attention(spec, backend) for moe, spec in kinds.items()}
     layers = [kinds[moe] for moe in pattern]
     logger.debug(
         "layer spec: %s%s", backend, " + DeepSeek sparse attention" if uses_sparse_attention(config) else ""
@@ -280,6 +282,17 @@ def _gqa_attention(provider: BackendSpecProvider, shape: LayerShape) -> ModuleSp
     )
 
 
+def token_rope_attention(layer: ModuleSpec, backend: str) -> ModuleSpec:
+    """``layer`` with :class:`TokenRopeSelfAttention` (models whose rotary table has one row per
+    token: multimodal RoPE, a ViT's 2-D RoPE), TE's fused RoPE kernel on the TE backend."""
+    from loong_models.attention.token_rope import TokenRopeSelfAttention
+
+    attn = layer.submodules.self_attention
+    attn = dataclasses.replace(attn, module=TokenRopeSelfAttention,
+                               params={**attn.params, "fused_rope": backend == "te"})  # fmt: skip
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn))
+
+
 def _mla_attention(provider: BackendSpecProvider, shape: LayerShape) -> ModuleSpec:
     """megatron's MLASelfAttention; a fusing backend folds the latent norms into the up projections."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
@@ -370,13 +383,16 @@ def fusion_fields(backend: str) -> dict[str, bool]:
 
 
 def vision_block_spec(
-    config: TransformerConfig, *, backend: str, window_layers: frozenset[int] = frozenset()
+    config: TransformerConfig, *, backend: str, window_layers: frozenset[int] = frozenset(), attention: str = "sdpa"
 ):
     """Layer specs of an image encoder (ViT): bidirectional attention over packed (THD) images.
 
-    ``te``: megatron's TE layer (fused norm + linears, TE attention). ``local``: megatron's local
-    modules with :class:`SDPAttention` (one SDPA per image / window segment) and Loong's RMSNorm,
-    or megatron's torch LayerNorm for LayerNorm encoders. Layers in ``window_layers`` (0-based) are
+    ``te``: megatron's TE layer (fused norm + linears). ``local``: megatron's local modules with
+    Loong's RMSNorm, or megatron's torch LayerNorm for LayerNorm encoders. Core attention
+    (``attention="sdpa"``) is :class:`SDPAttention` on both: one batched SDPA per segment length
+    (the windows / frames of equal-sized images: one call), torch's flash kernel on CUDA. cuDNN's
+    THD attention backward (TE's, ``attention="backend"``) ran a preprocessing kernel of ~4.5 ms
+    per layer at Qwen2.5-VL's head dim 80 on an H100, a third of a training step. Layers in ``window_layers`` (0-based) are
     :class:`WindowAttentionLayer`: the same modules, attending within the windows of the packed
     parameters instead of whole images (Qwen2.5-VL).
     """
@@ -387,8 +403,11 @@ def vision_block_spec(
     final_norm = provider.layer_norm(rms_norm=rms)  # TENorm takes the norm type from config.normalization
     base = layer_spec(provider, LayerShape(rms_norm=rms))
     attn = base.submodules.self_attention
-    attn = dataclasses.replace(attn, params={**attn.params, "attn_mask_type": AttnMaskType.no_mask})
+    core = SDPAttention if attention == "sdpa" else attn.submodules.core_attention
+    attn = dataclasses.replace(attn, params={**attn.params, "attn_mask_type": AttnMaskType.no_mask},
+                               submodules=dataclasses.replace(attn.submodules, core_attention=core))  # fmt: skip
     base = dataclasses.replace(base, submodules=dataclasses.replace(base.submodules, self_attention=attn))
+    base = token_rope_attention(base, backend)  # 2-D RoPE: one rotary row per patch
     windowed = dataclasses.replace(base, module=WindowAttentionLayer)
     layers = [windowed if i in window_layers else base for i in range(config.num_layers)]
     logger.debug("vision layer spec: %s, %d window-attention layers", backend, len(window_layers))

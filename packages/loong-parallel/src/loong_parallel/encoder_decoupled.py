@@ -173,7 +173,7 @@ class DecoupledEncode:
     def _encode(self, batches: list[dict], items: list[Item]) -> torch.Tensor:
         device = next(self.model.image_projector.parameters()).device
         pixels = torch.cat([batches[it.microbatch][MEDIA[it.kind][0]][it.rows] for it in items]).to(device)
-        grids = torch.tensor([it.grid for it in items], dtype=torch.long, device=device)
+        grids = torch.tensor([it.grid for it in items], dtype=torch.long)  # host bookkeeping: no device read
         return self.model.image_projector(self.model.image_encoder(pixels, grids))
 
     def _empty(self, rows: int) -> torch.Tensor:

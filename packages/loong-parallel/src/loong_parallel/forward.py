@@ -9,7 +9,7 @@ from functools import partial
 import torch
 from megatron.core import parallel_state as mpu
 
-from loong_models.omni import MEDIA_KEYS
+from loong_models.omni import HOST_MEDIA_KEYS, MEDIA_KEYS
 from loong_models.packed_seq import packed_seq_params
 from loong_parallel.context_parallel import split_for_context_parallel
 from loong_parallel.step import LOSS_KEY
@@ -20,16 +20,17 @@ def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_
     Packed (THD) batches carry ``cu_seqlens``: attention stays inside each document. Multimodal
     batches also carry images / videos (``MEDIA_KEYS``), which go to the model as keywords.
     ``return_schedule_plan``: megatron's combined 1F1B schedule (MoE all-to-all overlap) asks for
-    the model's schedule plan of this micro-batch instead of running its forward."""
+    the model's schedule plan of this micro-batch instead of running its forward. The batch comes
+    from the host (pinned by the data when the device is CUDA, so every copy is asynchronous)."""
     batch = split_for_context_parallel(
         next(data_iterator), mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
     )
     tokens = batch["tokens"].to(device, non_blocking=True)
     packed = None
     if "cu_seqlens" in batch:
-        packed = packed_seq_params(batch["cu_seqlens"].to(device, non_blocking=True), batch["max_seqlen"])
-    media = {key: batch[key].to(device, non_blocking=True) for key in MEDIA_KEYS
-             if key in batch and batch[key].numel()}  # a pack without images has empty tensors  # fmt: skip
+        cu = batch["cu_seqlens"]  # on the host, and its boundaries for attention that splits by segment
+        packed = packed_seq_params(cu.to(device, non_blocking=True), batch["max_seqlen"], bounds=cu.tolist())
+    media = vlm_inputs(batch, device)
     run = model.build_schedule_plan if return_schedule_plan else model
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)
     output = run(
@@ -42,6 +43,19 @@ def lm_forward_step(device: torch.device, data_iterator, model, return_schedule_
         **media,
     )
     return output, partial(masked_token_loss, loss_mask)
+
+
+def vlm_inputs(batch: dict, device: torch.device) -> dict:
+    """A multimodal micro-batch's keywords for OmniCombinationModel: pixels on the device; grids
+    and token ids on the host (segment boundaries: in the packed parameters), where the model's
+    bookkeeping (positions, placeholders, ViT segments and windows) reads them without waiting
+    for the device. Nothing for a text batch (no media keys)."""
+    if not any(key in batch for key in MEDIA_KEYS):
+        return {}
+    media = {key: batch[key] if key in HOST_MEDIA_KEYS else batch[key].to(device, non_blocking=True)
+             for key in MEDIA_KEYS if key in batch and batch[key].numel()}  # a pack without images: empty  # fmt: skip
+    media["host_input_ids"] = batch["tokens"]
+    return media
 
 
 def masked_token_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):

@@ -24,6 +24,9 @@ class StepLayout:
     device: torch.device | None = None  # where those collectives run
     # Packed documents are padded to a multiple of this (context parallelism cuts each into 2 x cp chunks).
     segment_multiple: int = 1
+    # A pack (packed multimodal data) is padded to a multiple of this many tokens, at most to the
+    # sequence length; None: always to the sequence length (the static shape pipeline stages exchange).
+    pack_multiple: int | None = None
 
 
 @dataclass(frozen=True)

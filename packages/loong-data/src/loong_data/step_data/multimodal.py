@@ -23,10 +23,16 @@ import torch.distributed as dist
 
 from loong_data.log import logger
 from loong_data.multimodal.chat import ChatTokenizer, load_chat_tokenizer
-from loong_data.multimodal.pipeline import MultimodalSample, PackedMultimodalDataset, list_shards
+from loong_data.multimodal.pipeline import (
+    MultimodalSample,
+    PackedMultimodalDataset,
+    collate_multimodal,
+    list_shards,
+)
 from loong_data.multimodal.processor import VisionProcessorConfig
+from loong_data.packed_collate import padded_length
 from loong_data.packing import packing_strategy
-from loong_data.prefetch import prefetch
+from loong_data.prefetch import pinned, prefetch
 from loong_data.step_data.config import DataConfig
 from loong_data.step_data.layout import DataError, StepCounts, StepLayout, batch_digest
 from loong_data.step_data.shards import convert_sources
@@ -57,16 +63,24 @@ class MultimodalStepData:
         return PackedMultimodalDataset(shards, self.tokenizer, seq_length=self.seq_length, processor=self.processor,
                                        seed=self.layout.seed, shuffle_buffer=max(1, shuffle_buffer))  # fmt: skip
 
-    def _pack(self, ds: PackedMultimodalDataset, samples: list[MultimodalSample]) -> list[dict]:
+    def _pack(self, samples: list[MultimodalSample]) -> list[dict]:
         packs = packing_strategy(self.strategy).pack([len(s) for s in samples], self.seq_length)
-        return [ds.collate([samples[i] for i in pack]) for pack in packs]
+        return [self._collate([samples[i] for i in pack]) for pack in packs]
+
+    def _collate(self, pack: list[MultimodalSample]) -> dict:
+        """One micro-batch, its padding tail as short as the layout allows: padding tokens cost
+        the LLM's GEMMs as much as real ones."""
+        multiple, tokens = self.layout.pack_multiple, sum(len(s) for s in pack)
+        capacity = self.seq_length if multiple is None else min(self.seq_length, padded_length(tokens, multiple))
+        return collate_multimodal(pack, self.processor, capacity=capacity, pad_id=self.tokenizer.pad_id)
 
     def train_steps(self, start_step: int = 0, balancer: Any = None) -> Iterator[list[dict]]:
         """For each step from ``start_step``: this DP rank's packed micro-batches: its slice of the
         global batch, or the balancer's choice (``balancer.select(samples)``, the same plan on
         every rank; loong_parallel's SelectBalancer). Prepared one step ahead in a background
-        thread, unless a refitting balancer plans the steps (its cost changes between steps)."""
-        steps = self._steps(start_step, balancer)
+        thread, unless a refitting balancer plans the steps (its cost changes between steps), in
+        page-locked memory for a CUDA device."""
+        steps = pinned(self._steps(start_step, balancer), self.layout.device)
         return steps if getattr(balancer, "refit", None) is not None else prefetch(steps)
 
     def _steps(self, start_step: int, balancer: Any) -> Iterator[list[dict]]:
@@ -82,7 +96,7 @@ class MultimodalStepData:
         while True:
             step = list(islice(stream, lay.global_batch_size))
             mine = balancer.select(step) if balancer else step[lay.dp_rank * per_rank : (lay.dp_rank + 1) * per_rank]
-            yield self._pack(ds, mine)
+            yield self._pack(mine)
 
     def eval_microbatches(self) -> list[dict]:
         """This rank's share of the first held-out samples (the same every time)."""
@@ -92,7 +106,7 @@ class MultimodalStepData:
             ds = self._dataset(self.val_shards, 1)
             samples = list(islice(_forever(ds), num_samples))
             per_rank = num_samples // lay.dp_size
-            self._eval = self._pack(ds, samples[lay.dp_rank * per_rank : (lay.dp_rank + 1) * per_rank])
+            self._eval = self._pack(samples[lay.dp_rank * per_rank : (lay.dp_rank + 1) * per_rank])
         return self._eval
 
     def counts(self, microbatches: list[dict], loss_tokens: int) -> StepCounts:

@@ -5,14 +5,19 @@ Why a per-segment loop and not FlexAttention: on CPU (and other non-CUDA devices
 FlexAttention falls back to a reference that materialises the [t, t] scores, and compiling it
 needs a C++ toolchain and ~45 s per new shape on a 2-core host. A loop of causal SDPA calls is
 exact, runs everywhere SDPA runs, lets torch pick its fused kernel per segment, and costs
-O(sum L_i^2) instead of O(t^2). With Transformer Engine on CUDA, megatron's TE attention takes
-THD natively and this path is not used.
+O(sum L_i^2) instead of O(t^2). With Transformer Engine on CUDA, an LLM's attention is TE's (THD
+natively); a ViT's stays here (see specs.vision_block_spec), where its equal-sized windows and
+frames are one batched flash-attention call per layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
+
+from loong_models.host import to_device
 
 
 def segment_bounds(cu_seqlens: torch.Tensor) -> list[int]:
@@ -29,12 +34,14 @@ def packed_causal_attention(
     scale: float,
     dropout_p: float = 0.0,
     causal: bool = True,
+    bounds: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``query`` [t, heads, d], ``key``/``value`` [t, groups, d] (GQA when groups < heads) ->
     [t, heads * d]; token ``i`` of segment ``s`` attends to tokens ``<= i`` of segment ``s`` only
-    (``causal``), or to all tokens of segment ``s`` (``causal=False``: images, windows of a ViT)."""
+    (``causal``), or to all tokens of segment ``s`` (``causal=False``: images, windows of a ViT).
+    ``bounds``: the values of ``cu_seqlens`` on the host, if known (no device read then)."""
     t, heads, d = query.shape
-    bounds = segment_bounds(cu_seqlens)
+    bounds = list(bounds) if bounds is not None else segment_bounds(cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != t:
         raise ValueError(
             f"cu_seqlens must run from 0 to the packed length {t}, got {bounds[0]}..{bounds[-1]}"
@@ -49,11 +56,11 @@ def packed_causal_attention(
         if hi > lo:
             by_length.setdefault(hi - lo, []).append(lo)
     for length, starts in by_length.items():
-        if len(starts) == 1:
-            rows = slice(starts[0], starts[0] + length)
+        if len(starts) == 1 or len(starts) * length == t:  # one segment, or all tile the pack in order
+            rows = slice(starts[0], starts[0] + len(starts) * length)
         else:
             offsets = torch.arange(length, device=query.device)
-            rows = (torch.tensor(starts, device=query.device)[:, None] + offsets).reshape(-1)
+            rows = (to_device(torch.tensor(starts), query.device)[:, None] + offsets).reshape(-1)
         # [n * L, h, d] -> [n, h, L, d]
         q, k, v = (x[rows].reshape(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (query, key, value))
         o = F.scaled_dot_product_attention(

@@ -9,6 +9,13 @@ from enum import StrEnum
 from loong_models.choices import Activation, Norm, Recompute
 
 
+class EncoderAttention(StrEnum):
+    """The ViT's core attention (``model.image_encoder.attention``)."""
+
+    sdpa = "sdpa"  # Loong's SDPAttention with every layer backend: one batched SDPA per segment length
+    backend = "backend"  # the layer backend's own (TE: cuDNN's THD attention; local: SDPAttention too)
+
+
 @dataclass(frozen=True)
 class EncoderType:
     """What distinguishes one ViT design from another; sizes come from the YAML."""
@@ -94,6 +101,7 @@ class ImageEncoderConfig:
     tensor_model_parallel_size: int | None = None
     freeze: bool = False
     recompute: Recompute | None = None
+    attention: EncoderAttention = EncoderAttention.sdpa  # core attention (see specs.vision_block_spec)
     extra: dict = field(default_factory=dict)  # passed to the encoder's TransformerConfig
 
     @property

@@ -3,12 +3,15 @@
 
 Patches of one item come in the image processor's order: frame by frame, and within a frame in
 merge blocks (``merge x merge`` neighbouring patches consecutively, blocks in raster order).
-Everything here is integer bookkeeping on the host (grids are tiny); results go to ``device``.
+Everything here is integer bookkeeping on the host (grids are tiny: pass them on the host, since
+reading a device tensor back waits for the device); results go to ``device`` without a sync.
 """
 
 from __future__ import annotations
 
 import torch
+
+from loong_models.host import to_device
 
 
 def _grids(grid_thw: torch.Tensor, merge: int) -> list[tuple[int, int, int]]:
@@ -33,15 +36,15 @@ def patch_coordinates(grid_thw: torch.Tensor, merge: int, device=None) -> tuple[
         c = torch.arange(w).view(1, w // merge, 1, merge).expand(h // merge, -1, merge, -1)
         rows.append(r.reshape(-1).repeat(t))
         cols.append(c.reshape(-1).repeat(t))
-    return torch.cat(rows).to(device), torch.cat(cols).to(device)
+    return to_device(torch.cat(rows), device), to_device(torch.cat(cols), device)
 
 
 def frame_cu_seqlens(grid_thw: torch.Tensor, device=None) -> tuple[torch.Tensor, int]:
     """Segment boundaries (int32) with one segment per frame (HF Qwen2.5-VL attends per temporal
     patch, also for video), and the longest segment."""
     lens = [h * w for t, h, w in grid_thw.tolist() for _ in range(int(t))]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return cu, max(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return to_device(cu, device), max(lens)
 
 
 def window_partition(
@@ -67,5 +70,5 @@ def window_partition(
             order.append(perm + offset + f * bh * bw)
             lens.extend(counts.tolist())
         offset += t * bh * bw
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return torch.cat(order).to(device), cu, max(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return to_device(torch.cat(order), device), to_device(cu, device), max(lens)

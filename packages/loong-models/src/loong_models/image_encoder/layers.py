@@ -5,16 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from loong_models.packed_seq import HostPackedSeqParams
 
 
 @dataclass
-class VisionPackedSeqParams(PackedSeqParams):
+class VisionPackedSeqParams(HostPackedSeqParams):
     """THD parameters of a packed batch of images (one segment per image / video frame), plus
-    ``window``: the same patches cut into attention windows (Qwen2.5-VL), or None."""
+    ``window``: the same patches cut into attention windows (Qwen2.5-VL), or None. Both carry
+    their boundaries on the host too (``bounds``)."""
 
-    window: PackedSeqParams | None = None
+    window: HostPackedSeqParams | None = None
 
 
 class WindowAttentionLayer(TransformerLayer):

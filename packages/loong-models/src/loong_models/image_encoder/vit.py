@@ -13,15 +13,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from loong_models.host import to_device
 from loong_models.image_encoder.config import EncoderType, ImageEncoderConfig, get_encoder_type
 from loong_models.image_encoder.grid import frame_cu_seqlens, num_patches, patch_coordinates, window_partition
 from loong_models.image_encoder.layers import VisionPackedSeqParams
+from loong_models.packed_seq import HostPackedSeqParams
 from loong_models.specs import fusion_fields, vision_block_spec
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
@@ -86,6 +87,14 @@ def build_encoder_transformer_config(
     return TransformerConfig(**{**fields, **cfg.extra})
 
 
+def _thd_fields(cu: torch.Tensor, longest: int, device: torch.device) -> dict[str, Any]:
+    """THD fields of segments given by host boundaries ``cu``: the boundaries on the device and,
+    for attention that splits by segment (SDPA), on the host (``bounds``)."""
+    on_device = to_device(cu, device)
+    return dict(qkv_format="thd", cu_seqlens_q=on_device, cu_seqlens_kv=on_device, max_seqlen_q=longest,
+                max_seqlen_kv=longest, bounds=tuple(cu.tolist()))  # fmt: skip
+
+
 class PatchEmbed(torch.nn.Module):
     """Linear embedding of flattened patches, stored as the convolution it equals (kernel = stride
     = patch): ``proj`` is a Conv3d ``[D, C, T, P, P]`` (Qwen2.5-VL, temporal patches for video) or
@@ -144,7 +153,7 @@ class ImageEncoder(MegatronModule):
             frozenset(range(cfg.num_layers)) - set(cfg.fullatt_block_indexes) if t.windows else frozenset()
         )
         self.window_layers = window_layers
-        spec = vision_block_spec(config, backend=layer_backend, window_layers=window_layers)
+        spec = vision_block_spec(config, backend=layer_backend, window_layers=window_layers, attention=cfg.attention)
         self.decoder = TransformerBlock(
             config=config, spec=spec, post_layer_norm=t.post_norm, pre_process=True, post_process=True,
             pg_collection=pg_collection,
@@ -185,6 +194,7 @@ class ImageEncoder(MegatronModule):
         """``(features [N, hidden], deepstack)``: the last layer's patch features and, for each of
         ``deepstack_visual_indexes``, that layer's output (both in input order)."""
         cfg, t = self.cfg, self.encoder_type
+        grid_thw = grid_thw.cpu()  # host bookkeeping (no-op for the grids the forward step keeps there)
         n = num_patches(grid_thw)
         if pixel_values.dim() != 2 or pixel_values.shape != (n, cfg.patch_dim):
             raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; grid_thw {grid_thw.tolist()} "
@@ -194,24 +204,21 @@ class ImageEncoder(MegatronModule):
         rows, cols = patch_coordinates(grid_thw, m, dev)
         if t.learned_positions:
             x = x + self._learned_positions(grid_thw, rows, cols).to(x.dtype)
-        cu, longest = frame_cu_seqlens(grid_thw, dev)
-        params = VisionPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                       max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+        cu, longest = frame_cu_seqlens(grid_thw)  # on the host, and copied to the device
+        params = VisionPackedSeqParams(**_thd_fields(cu, longest, dev))
         rope = None
         if t.rope_2d:
             freqs = torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1)
             rope = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [N, 1, 1, head_dim]
         order = None
         if self.window_layers:
-            blocks, cu_w, longest_w = window_partition(
-                grid_thw, m, cfg.window_size // (m * cfg.patch_size), dev
-            )
+            blocks, cu_w, longest_w = window_partition(grid_thw, m, cfg.window_size // (m * cfg.patch_size))
+            blocks = to_device(blocks, dev)
             unit = m * m
             order = (blocks[:, None] * unit + torch.arange(unit, device=dev)).reshape(-1)
             x = x[order]
             rope = rope[order] if rope is not None else None
-            params.window = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_w, cu_seqlens_kv=cu_w,
-                                            max_seqlen_q=longest_w, max_seqlen_kv=longest_w)  # fmt: skip
+            params.window = HostPackedSeqParams(**_thd_fields(cu_w, longest_w, dev))
         taps = cfg.deepstack_visual_indexes
         out = self.decoder(x[:, None], attention_mask=None, rotary_pos_emb=rope, packed_seq_params=params,
                            extract_layer_indices=set(taps))  # fmt: skip

@@ -4,7 +4,11 @@ The first pipeline stage (``pre_process``) holds the encoder and projector: it e
 encodes all images and video clips of the micro-batch in one packed ViT pass, projects them and
 writes them over the placeholder tokens' embeddings, then runs its share of the foundation.
 Every stage computes the multimodal RoPE positions from ``input_ids`` + grids (cheap host work),
-so later stages need the token ids and grids, never the pixels.
+so later stages need the token ids and grids, never the pixels. That bookkeeping (positions,
+placeholder indices, the ViT's segments and windows) reads token ids and grids on the host: the
+forward step keeps the grids there and passes the host copy of the token ids (``host_input_ids``)
+and of the segment boundaries (``HostPackedSeqParams.bounds``), so a forward never waits for the
+device.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from loong_models.host import to_device
 from loong_models.image_encoder import ImageEncoder
 from loong_models.image_projector import ImageProjector
 from loong_models.omni.mrope import VisionTokenIds, mrope_positions
+from loong_models.packed_seq import host_bounds
 
 # The media inputs of forward(), as micro-batches carry them (loong_data.multimodal collates them).
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+HOST_MEDIA_KEYS = ("image_grid_thw", "video_grid_thw")  # read on the host only: they stay there
 
 def mark_tp_replicas(sharded: dict, component_tp: int, foundation_tp: int, *, every_stage: bool = False) -> dict:
     """A component whose TP size is smaller than the foundation's (an encoder at TP=1 inside
@@ -55,8 +62,10 @@ class OmniCombinationModel(MegatronModule):
 
     ``forward(input_ids, position_ids, attention_mask, labels=None, packed_seq_params=None,
     pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-    second_per_grid_ts=None)`` -> per-token loss ``[1, S]`` with labels, logits without (hidden
-    states on non-last pipeline stages), like GPTModel.
+    second_per_grid_ts=None, host_input_ids=None)`` -> per-token loss ``[1, S]`` with labels,
+    logits without (hidden states on non-last pipeline stages), like GPTModel. ``host_input_ids``:
+    the host copy of ``input_ids`` (without it, and without ``bounds`` in ``packed_seq_params``,
+    the bookkeeping reads the device tensors back: a sync per read).
     """
 
     def __init__(
@@ -117,14 +126,20 @@ class OmniCombinationModel(MegatronModule):
         image_grid_thw: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         second_per_grid_ts=None,
+        *,
+        host_input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[3, 1, S]`` multimodal RoPE positions of a packed micro-batch."""
+        """``[3, 1, S]`` multimodal RoPE positions of a packed micro-batch, on ``input_ids``' device
+        (computed from the host copies of the ids and boundaries when given)."""
         cu = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
-        return mrope_positions(
-            input_ids, self.token_ids, spatial_merge_size=self.spatial_merge_size, image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts,
-            tokens_per_second=self.tokens_per_second, cu_seqlens=cu,
+        bounds = host_bounds(packed_seq_params)
+        cu = torch.tensor(bounds) if bounds is not None else cu
+        positions = mrope_positions(
+            host_input_ids if host_input_ids is not None else input_ids, self.token_ids,
+            spatial_merge_size=self.spatial_merge_size, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+            second_per_grid_ts=second_per_grid_ts, tokens_per_second=self.tokens_per_second, cu_seqlens=cu,
         )  # fmt: skip
+        return to_device(positions, input_ids.device)
 
     def vision_embeddings(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Encode and project: ``[N_patches, C*T*P*P]`` -> ``[N_patches / merge**2, hidden]``."""
@@ -154,7 +169,7 @@ class OmniCombinationModel(MegatronModule):
     def _merge(self, input_ids, embeddings, media) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write each kind's vision embeddings over its placeholder tokens (in order). Returns the
         embeddings and the DeepStack additions ``[K, S, B, H]`` (zero at text tokens; None without
-        DeepStack or media)."""
+        DeepStack or media). ``input_ids``: best the host copy (placeholders found without a sync)."""
         deep = None
         for token_id, pixels, grid, kind in media:
             mask = input_ids[0] == token_id if token_id is not None else None
@@ -171,7 +186,7 @@ class OmniCombinationModel(MegatronModule):
             if vision.shape[0] != count:
                 raise ValueError(f"{kind}s give {vision.shape[0]} tokens (grid_thw {grid.tolist()}, merge "
                                  f"{self.spatial_merge_size}) but the text has {count} placeholder tokens")  # fmt: skip
-            index = mask.nonzero()[:, 0]
+            index = to_device(mask.nonzero()[:, 0], embeddings.device)
             embeddings = embeddings.index_copy(0, index, vision.to(embeddings.dtype)[:, None, :])
             if feats:
                 deep = embeddings.new_zeros(len(feats), *embeddings.shape) if deep is None else deep
@@ -190,18 +205,20 @@ class OmniCombinationModel(MegatronModule):
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
         second_per_grid_ts=None,
+        host_input_ids: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         if self.mrope:
             position_ids = self.positions(input_ids, packed_seq_params, image_grid_thw, video_grid_thw,
-                                          second_per_grid_ts)  # fmt: skip
+                                          second_per_grid_ts, host_input_ids=host_input_ids)  # fmt: skip
         decoder_input = None
         if self.pre_process:
             if input_ids.shape[0] != 1 and (pixel_values is not None or pixel_values_videos is not None):
                 raise ValueError(f"media need one packed sequence per micro-batch (input_ids [1, S]), "
                                  f"got {tuple(input_ids.shape)}")  # fmt: skip
             embeddings = self.foundation.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
-            embeddings, deep = self._merge(input_ids, embeddings, (
+            ids = host_input_ids if host_input_ids is not None else input_ids
+            embeddings, deep = self._merge(ids, embeddings, (
                 (self.token_ids.image_token_id, pixel_values, image_grid_thw, "image"),
                 (self.token_ids.video_token_id, pixel_values_videos, video_grid_thw, "video"),
             ))  # fmt: skip

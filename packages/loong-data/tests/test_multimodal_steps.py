@@ -1,0 +1,49 @@
+"""Multimodal step data: packs padded only as far as the layout needs (padding tokens cost the
+LLM's GEMMs like real ones), the same samples and tokens whatever the padding."""
+
+import pytest
+import torch
+
+from loong_data.step_data import DataConfig, MultimodalDataConfig, PatchGeometry, StepLayout, build_step_data
+
+SEQ = 1024
+
+
+def steps(tmp_path, **layout):
+    cfg = DataConfig(kind="multimodal", packing="thd", seq_length=SEQ, cache_dir=str(tmp_path / "cache"),
+                     multimodal=MultimodalDataConfig(max_pixels=112 * 112, video_max_pixels=56 * 56))  # fmt: skip
+    lay = StepLayout(micro_batch_size=1, global_batch_size=8, num_microbatches=1, eval_iters=1, seed=0, **layout)
+    data = build_step_data(cfg, lay, patches=PatchGeometry(patch_size=14, temporal_patch_size=2, merge_size=2))
+    it = data.train_steps()
+    return [mb for _ in range(2) for mb in next(it)]
+
+
+@pytest.mark.parametrize("multiple", [128, 96])
+def test_packs_are_padded_to_the_layouts_multiple_not_to_seq_length(tmp_path, multiple):
+    full, short = steps(tmp_path), steps(tmp_path, pack_multiple=multiple)
+    assert all(mb["tokens"].shape == (1, SEQ) for mb in full)
+    assert len(full) == len(short) and any(mb["tokens"].shape[1] < SEQ for mb in short)
+    for a, b in zip(full, short):
+        n, real = b["tokens"].shape[1], int(a["cu_seqlens"][-2])  # the full pack's last segment: padding
+        assert n % multiple == 0 or n == SEQ, n
+        assert real <= n < real + multiple  # no whole multiple of padding
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(a[key][:, :n], b[key]), key
+        assert torch.equal(a["cu_seqlens"][:-1], b["cu_seqlens"][: len(a["cu_seqlens"]) - 1])
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_a_cpu_layout_leaves_the_steps_in_pageable_memory(tmp_path):
+    """Pinning (for asynchronous copies) is for CUDA devices only; a host run keeps its tensors."""
+    assert not any(t.is_pinned() for mb in steps(tmp_path, device=torch.device("cpu")) for t in mb.values()
+                   if isinstance(t, torch.Tensor))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_a_cuda_layout_gets_its_steps_in_pinned_memory(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    mbs = steps(tmp_path, device=torch.device("cuda"))
+    assert all(t.is_pinned() for mb in mbs for t in mb.values() if isinstance(t, torch.Tensor))
+

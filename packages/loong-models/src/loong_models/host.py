@@ -1,0 +1,22 @@
+"""Host bookkeeping of a micro-batch (segment boundaries, patch coordinates, positions, gather
+indices) moved to the device without waiting for it."""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """``t`` on ``device`` (None: where it is). From the host to a CUDA device the copy goes through
+    page-locked memory with ``non_blocking``: a copy from pageable memory may synchronise with the
+    stream (CUDA's API synchronization behavior), i.e. wait for every kernel queued before it, and
+    a forward that starts with one lets the GPU run dry while the host queues the next kernels.
+    torch's pinned-memory cache keeps the staging block until the copy has run."""
+    if device is None:
+        return t
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
