@@ -45,5 +45,6 @@ def test_a_cuda_layout_gets_its_steps_in_pinned_memory(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     mbs = steps(tmp_path, device=torch.device("cuda"))
-    assert all(t.is_pinned() for mb in mbs for t in mb.values() if isinstance(t, torch.Tensor))
+    # an empty tensor (no video in the pack) has no memory to pin and reports is_pinned() False
+    assert all(t.is_pinned() for mb in mbs for t in mb.values() if isinstance(t, torch.Tensor) and t.numel())
 
