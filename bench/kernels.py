@@ -118,17 +118,17 @@ def swiglu_case(rows: int, width: int) -> Case:
     return case
 
 
-def _dsa_inputs(seq: int, heads: int, idx_heads: int, topk: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(0)
+def _dsa_inputs(seq: int, heads: int, idx_heads: int, topk: int, device: str = "cuda") -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(0)
     t = {
-        "q": torch.randn(seq, heads, 576, device="cuda", dtype=BF16, generator=g),
-        "kv": torch.randn(seq, 576, device="cuda", dtype=BF16, generator=g),
-        "q_i": torch.randn(seq, idx_heads, 128, device="cuda", dtype=BF16, generator=g),
-        "k_i": torch.randn(seq, 128, device="cuda", dtype=BF16, generator=g),
-        "w": torch.randn(seq, idx_heads, device="cuda", dtype=BF16, generator=g) * idx_heads**-0.5,
-        "dout": torch.randn(seq, heads, 512, device="cuda", dtype=BF16, generator=g),
+        "q": torch.randn(seq, heads, 576, device=device, dtype=BF16, generator=g),
+        "kv": torch.randn(seq, 576, device=device, dtype=BF16, generator=g),
+        "q_i": torch.randn(seq, idx_heads, 128, device=device, dtype=BF16, generator=g),
+        "k_i": torch.randn(seq, 128, device=device, dtype=BF16, generator=g),
+        "w": torch.randn(seq, idx_heads, device=device, dtype=BF16, generator=g) * idx_heads**-0.5,
+        "dout": torch.randn(seq, heads, 512, device=device, dtype=BF16, generator=g),
         # two documents packed together
-        "starts": ref_dsa.doc_starts(torch.tensor([0, seq // 4, seq]), seq, torch.device("cuda")),
+        "starts": ref_dsa.doc_starts(torch.tensor([0, seq // 4, seq]), seq, torch.device(device)),
     }
     t["idx"] = ref_dsa.topk_indices(
         dispatch._load(dispatch.KERNELS["indexer_scores"].reference)(t["q_i"], t["k_i"], t["w"], t["starts"]), topk

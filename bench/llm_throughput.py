@@ -12,6 +12,7 @@ after warm-up.
     python bench/llm_throughput.py --loong-extra model.layer_backend=local   # without TE
     python bench/llm_throughput.py --hf-modes --variants base= wgrad=++parallel.wgrad_fusion=true \
         fp8=++model.foundation.precision.fp8=on,++model.foundation.precision.recipe=tensorwise
+    python bench/llm_throughput.py --hf-modes --variants base= graphs=++parallel.cuda_graphs=local  # CUDA graphs
     python bench/llm_throughput.py --model llama3.1-8b --model-override foundation.num_layers=4 --seq 8192 --hf-modes
 
 ``--variants label=override,override ...`` runs Loong once per variant (same batches), on top of

@@ -141,8 +141,12 @@ def build_diffusers(cfg, dtype: torch.dtype, device: str):
     return lambda b: model(b["noisy"], b["timestep"], b["context"], return_dict=False)[0], model, "sdpa"
 
 
-def train(args, forward, model, device: str, dtype: torch.dtype, cfg) -> dict:
+def train(args, forward, model, device: str, dtype: torch.dtype, cfg, stack: str) -> dict:
     from loong_models.diffusion import FlowMatching, FlowMatchingConfig
+    from loong_parallel import ProfileConfig, StepProfiler
+
+    window = ProfileConfig(start_step=args.warmup + 1 if args.profile else 0, steps=2, dir=f"{args.profile}/{stack}")
+    profiler = StepProfiler(window, Path(args.profile or "."), rank=0, device_type=device)
 
     objective = FlowMatching(cfg.flow_matching or FlowMatchingConfig())
     opt = MasterAdamW(model.parameters(), fused=device == "cuda")
@@ -150,6 +154,7 @@ def train(args, forward, model, device: str, dtype: torch.dtype, cfg) -> dict:
     model.train()
     times, losses, digests = [], [], []
     for step in range(args.steps):
+        profiler.before(step + 1)
         host = sample_inputs(args, cfg, objective, step)
         digests.append(digest(host))
         b = {k: v.to(device, dtype if k in ("noisy", "context") else torch.float32) for k, v in host.items()}
@@ -162,6 +167,7 @@ def train(args, forward, model, device: str, dtype: torch.dtype, cfg) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        profiler.after(step + 1)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     return dict(times=times, losses=losses, digests=digests, peak_mem_gib=peak)
 
@@ -175,14 +181,14 @@ def run_here(args, stack: str) -> dict:
         if args.device == "cuda":
             torch.cuda.set_device(0)
         forward, model, impl = build_diffusers(cfg, dtype, args.device)
-        out = train(args, forward, model, args.device, dtype, cfg)
+        out = train(args, forward, model, args.device, dtype, cfg, stack)
     else:
         from loong_xpu import get_accelerator
         from loong_xpu.testing import megatron_world
 
         with megatron_world(get_accelerator(args.device)):
             forward, model, impl = build_loong(cfg, dtype, args.device, args.loong_backend)
-            out = train(args, forward, model, args.device, dtype, cfg)
+            out = train(args, forward, model, args.device, dtype, cfg, stack)
     return dict(out, stack=stack, impl=impl, params=sum(p.numel() for p in model.parameters()))
 
 
@@ -235,6 +241,7 @@ def sys_args(args) -> list[str]:
            f"--batch={args.batch}", f"--text-len={args.text_len}", f"--steps={args.steps}", f"--warmup={args.warmup}",
            f"--recompute={args.recompute}", f"--dtype={args.dtype}", f"--device={args.device}", f"--seed={args.seed}",
            f"--loong-backend={args.loong_backend}", f"--layers={args.layers or 0}"]  # fmt: skip
+    out += [f"--profile={args.profile}"] if args.profile else []
     return out + [f"--model-override={o}" for o in args.model_overrides]
 
 
@@ -283,6 +290,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loong-backend", choices=("auto", "te", "local"), default="auto")
+    p.add_argument("--profile", help="write each stack's operator table of the 2 steps after warm-up to DIR/<stack>/")
     p.add_argument("--stacks", nargs="+", choices=STACKS, default=list(STACKS))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stack", choices=STACKS, help=argparse.SUPPRESS)

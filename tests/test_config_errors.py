@@ -38,6 +38,7 @@ def test_wrong_type_is_named():
         ("parallel.tp=3", r"parallel.tp=3 must divide the attention heads \(4\) and KV groups \(2\)"),
         ("train.global_batch_size=12", r"train.global_batch_size=12 must be a multiple of train.micro_batch_size"),
         ("data.seq_length=4096", r"data.seq_length=4096 must be in \[2, model.foundation.max_position_embeddings"),
+        ("train.profile.steps=0", r"train.profile.steps=0 must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -112,6 +113,18 @@ def test_context_parallelism_names_what_it_cannot_combine_with():
     cfg = to_config(compose_config("parallel.cp=2", "model=deepseek-v32-tiny"))
     with pytest.raises(ConfigError, match=r"cannot combine with model.foundation.sparse_attention"):
         validate(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("overrides, what", [
+    (["data.packing=thd"], r"data.packing=thd \(a packed step's shapes change"),
+    (["++model.foundation.recompute=selective"], r"model.foundation.recompute \(megatron drops"),
+    (["model=tiny-vlm"], r"a model with an image encoder"),
+])  # fmt: skip
+def test_cuda_graphs_name_what_they_cannot_capture(overrides, what):
+    assert validate(to_config(compose_config("parallel.cuda_graphs=local")), world_size=1) == 2
+    cfg = to_config(compose_config("parallel.cuda_graphs=local", *overrides))
+    with pytest.raises(ConfigError, match=rf"parallel.cuda_graphs=local cannot combine with {what}"):
+        validate(cfg, world_size=1)
 
 
 def test_init_from_without_a_chosen_phase_or_rate_gets_the_fine_tuning_recipe():

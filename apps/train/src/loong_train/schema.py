@@ -10,9 +10,10 @@ from enum import StrEnum
 from loong_ckpt.run_dir import ResumeSchedule
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
-from loong_parallel import OptimConfig, ParallelConfig
+from loong_parallel import OptimConfig, ParallelConfig, ProfileConfig
 from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_parallel.encoder_layout import encoder_layout_errors
+from loong_parallel.runtime import cuda_graph_conflicts
 
 
 class DType(StrEnum):
@@ -45,6 +46,7 @@ class TrainConfig:
     export_hf_interval: int = 0  # ... and every N steps (0 = only at the end)
     tensorboard: bool = True
     progress: bool = True
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # a torch-profiler window (train.profile.start_step)
 
     def errors(self) -> list[str]:
         errors = []
@@ -54,7 +56,7 @@ class TrainConfig:
             errors.append(f"train.export_hf_interval={self.export_hf_interval} must be >= 0 (0 = at the end only)")
         errors += [f"train.{key}={getattr(self, key)} must be >= 1"
                    for key in ("micro_batch_size", "global_batch_size", "log_interval", "nonfinite_limit") if getattr(self, key) < 1]  # fmt: skip
-        return errors
+        return errors + self.profile.errors()
 
 
 @dataclass
@@ -125,7 +127,8 @@ def _cross_package_errors(cfg: Config) -> list[str]:
         errors.append(f"data.kind={d.kind} with model.diffusion={'set' if cfg.model.is_diffusion else 'null'}: a "
                       "diffusion model (e.g. model=wan-tiny) trains on data.kind=diffusion, and only it does")  # fmt: skip
     return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
-            + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg))
+            + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg) + cuda_graph_conflicts(p, cfg.model, d.packing))
+
 
 
 def _chunkpipe_errors(cfg: Config) -> list[str]:

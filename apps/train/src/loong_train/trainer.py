@@ -29,6 +29,7 @@ from loong_parallel import (
     DataParallel,
     ModelKind,
     NonFiniteGuard,
+    StepProfiler,
     StepResult,
     StepWindow,
     build_balancer,
@@ -119,13 +120,13 @@ class Trainer:
         self.num_microbatches = validate(cfg, env.world_size)
         self.dtype = self.accel.preferred_dtype if t.dtype == "auto" else _DTYPES[t.dtype]
         initialize_model_parallel(cfg.parallel, env.world_size)
-        seed_everything(t.seed)
+        seed_everything(t.seed, graph_safe=cfg.parallel.cuda_graphs != "none")
         self.dp = data_parallel()
         layout = step_layout(cfg, num_microbatches=self.num_microbatches, dp=self.dp, device=self.device)
         self.data = data(layout) if data else run_data(cfg, layout, is_main=self.is_main)
         # preparing data may draw from the host RNG (a diffusion job builds its random towers on a
         # cold cache): seed again so that the initial weights do not depend on the cache's state
-        seed_everything(t.seed)
+        seed_everything(t.seed, graph_safe=cfg.parallel.cuda_graphs != "none")
         tokens = cfg.data.seq_length * t.micro_batch_size // cfg.parallel.cp  # one micro-batch's GEMM rows
         self.model = model or model_kind(cfg.model, self.accel.device_type, seed=t.seed, tokens_per_microbatch=tokens)
         self._build_model()
@@ -180,7 +181,9 @@ class Trainer:
         try:
             self._start_loop()
             for step in range(self.start_step + 1, t.steps + 1):
+                self.profiler.before(step)
                 result = self.step(step)
+                self.profiler.after(step)
                 self._log(step, result)
                 self.nonfinite.observe(step, result)  # raises after train.nonfinite_limit in a row
                 if step != t.steps:
@@ -207,6 +210,8 @@ class Trainer:
                         dynamic_ncols=True, desc="train")  # fmt: skip
         self._exit.callback(self.bar.close)
         self.window = StepWindow()
+        self.profiler = StepProfiler(t.profile, self.out_dir, rank=dist.get_rank(), device_type=self.accel.device_type)
+        self._exit.callback(self.profiler.close)
         self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from, config=self.cfg,
                                   tokens_per_step=t.global_batch_size * self.cfg.data.seq_length)  # fmt: skip
         self.nonfinite = NonFiniteGuard(t.nonfinite_limit)

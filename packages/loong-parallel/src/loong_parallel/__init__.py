@@ -31,6 +31,7 @@ from loong_parallel.model import ModelProvider, build_model_chunks, unwrap
 from loong_parallel.moe import RouterStats
 from loong_parallel.nonfinite import NonFiniteError, NonFiniteGuard
 from loong_parallel.optimizer import OptimConfig, build_optimizer
+from loong_parallel.profiler import ProfileConfig, StepProfiler
 from loong_parallel.rng import rng_state, seed_everything, set_rng_state
 from loong_parallel.runtime import runtime_transformer_fields
 from loong_parallel.schedule import microbatch_iterators, schedule_shape
@@ -62,6 +63,8 @@ __all__ = [
     "RouterStats",
     "StepResult",
     "StepWindow",
+    "StepProfiler",
+    "ProfileConfig",
     "TrainBalancer",
     "build_balancer",
     "build_model_chunks",

@@ -42,6 +42,16 @@ class CPCommType(StrEnum):
     a2a = "a2a"  # all-to-all: each rank attends the whole sequence for heads / cp heads
 
 
+class CudaGraphs(StrEnum):
+    """Which CUDA graphs replay the training step's layers (megatron's ``cuda_graph_impl``)."""
+
+    none = "none"
+    # megatron-core's own per-layer graphs (CudaGraphManager): each transformer layer's forward and
+    # backward are recorded during the first steps (cuda_graph_warmup_steps, 3) and captured by
+    # megatron's schedules at the end of the warm-up; later steps replay them
+    local = "local"
+
+
 @dataclass
 class ChunkPipeConfig:
     """ChunkPipe (loong_parallel.chunkpipe): each sample runs through the model in chunks of
@@ -95,6 +105,10 @@ class ParallelConfig:
     # accumulation: no separate add per micro-batch, no apex). megatron's own output layer keeps its
     # unfused add: its fusion needs apex's fused_weight_gradient_mlp_cuda. Needs TE layers (CUDA).
     wgrad_fusion: bool = False
+    # CUDA graphs of the transformer layers (none | local: megatron's per-layer graphs, whole layer).
+    # Needs CUDA and TE layers (TE's graph-safe RNG tracker); static shapes: not with packed (THD)
+    # data, MoE layers, ChunkPipe, activation offloading or full recompute (megatron's rules)
+    cuda_graphs: CudaGraphs = CudaGraphs.none
     # Data-parallel load balancing of packed samples (data.packing=thd)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     chunkpipe: ChunkPipeConfig = field(default_factory=ChunkPipeConfig)
@@ -132,6 +146,7 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{key}={getattr(self, key)} must be >= 1")
         self._validate_moe(world_size, num_experts, expert_ffn_hidden_size, has_shared_experts)
         self._validate_chunkpipe(num_experts)
+        self._validate_cuda_graphs(num_experts)
         if num_query_groups % self.tp or num_heads % self.tp:
             raise ValueError(
                 f"parallel.tp={self.tp} must divide the attention heads ({num_heads}) and KV groups "
@@ -170,6 +185,22 @@ class ParallelConfig:
             if bad:
                 raise ValueError(f"parallel.encoder_layout=decoupled does not support parallel.{key}="
                                  f"{getattr(self, key)} yet; use parallel.encoder_layout=shared or hetero_dp")  # fmt: skip
+
+    def _validate_cuda_graphs(self, num_experts: int | None) -> None:
+        """What megatron's whole-layer graphs cannot capture: a layer whose shapes or host syncs
+        change per step (MoE dispatch counts tokens on the host), ChunkPipe's own schedule (it does
+        not capture), and activation offloading (megatron refuses it with whole-layer graphs)."""
+        if self.cuda_graphs == CudaGraphs.none:
+            return
+        if self.cuda_graphs not in tuple(CudaGraphs):
+            allowed = ", ".join(CudaGraphs)
+            raise ValueError(f"parallel.cuda_graphs={str(self.cuda_graphs)!r}; allowed: {allowed}")
+        cannot = {"an MoE model (model.foundation.moe: the token dispatch syncs with the host)": num_experts is not None,
+                  "parallel.chunkpipe": self.chunkpipe.enabled,
+                  "parallel.offload_activations": bool(self.offload_activations)}  # fmt: skip
+        for what, present in cannot.items():
+            if present:
+                raise ValueError(f"parallel.cuda_graphs={self.cuda_graphs} cannot combine with {what}")
 
     def _validate_chunkpipe(self, num_experts: int | None) -> None:
         """What ChunkPipe runs with: data and pipeline parallelism of GQA / MHA models."""

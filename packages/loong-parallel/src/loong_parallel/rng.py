@@ -7,12 +7,14 @@ import torch
 from loong_xpu import Accelerator
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, *, graph_safe: bool = False) -> None:
     """megatron's model-parallel RNG tracker, and an identical host RNG on every rank (CPU init is
-    then layout independent)."""
+    then layout independent). ``graph_safe``: TE's tracker, whose generators CUDA graphs can
+    capture (megatron's per-layer graphs refuse any other; parallel.cuda_graphs)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    model_parallel_cuda_manual_seed(seed)
+    # the tracker is created once per process: a graph-safe one replaces whatever was there
+    model_parallel_cuda_manual_seed(seed, te_rng_tracker=graph_safe, force_reset_rng=graph_safe)
     torch.manual_seed(seed)
 
 

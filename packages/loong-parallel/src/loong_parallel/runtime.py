@@ -18,6 +18,10 @@ def runtime_transformer_fields(
     for key in _CUDA_ONLY:
         if getattr(pcfg, key) and device_type != "cuda":
             raise ValueError(f"parallel.{key} needs CUDA (device type here: {device_type})")
+    if pcfg.cuda_graphs != "none" and device_type != "cuda":
+        raise ValueError(
+            f"parallel.cuda_graphs={pcfg.cuda_graphs} needs CUDA (device type here: {device_type})"
+        )
     if pcfg.moe_a2a_overlap and dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             "parallel.moe_a2a_overlap=true needs train.dtype bf16 or fp16 (megatron's requirement)"
@@ -46,4 +50,25 @@ def runtime_transformer_fields(
         # Loss = sum over tokens / tokens in the global batch, whatever the DP or micro-batch split.
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
+        # megatron's per-layer graphs; their RNG must be graph-safe: TE's tracker (seed_everything)
+        cuda_graph_impl=str(pcfg.cuda_graphs),
+        use_te_rng_tracker=pcfg.cuda_graphs != "none",
     )
+
+
+def cuda_graph_conflicts(pcfg: ParallelConfig, model: Any, packing: str = "fixed") -> list[str]:
+    """Why this job cannot run with ``pcfg.cuda_graphs`` (empty: it can), for a ``model``
+    (loong_models.ModelConfig) on data packed by ``packing`` (data.packing): megatron's whole-layer
+    graphs replay one captured shape, only language models' layers are graphed, and megatron's
+    graph toggle switches recomputation off."""
+    if pcfg.cuda_graphs == "none":
+        return []
+    cannot = {
+        "data.packing=thd (a packed step's shapes change with its documents)": packing == "thd",
+        "model.foundation.recompute (megatron drops recomputation around its graphs)":
+            model.foundation.recompute is not None,
+        "a model with an image encoder, a diffusion or an embodied model (only language models are captured)":
+            model.is_multimodal or model.is_diffusion or model.is_embodied,
+    }  # fmt: skip
+    impl = pcfg.cuda_graphs
+    return [f"parallel.cuda_graphs={impl} cannot combine with {key}" for key, bad in cannot.items() if bad]

@@ -159,14 +159,39 @@ def eval_step(
     for chunk in chunks:
         chunk.eval()
     try:
-        outputs = schedule_for(chunks, forward_backward_func)(
-            forward_step_func=forward_step,
-            data_iterator=data_iterator,
-            model=chunks,
-            forward_only=True,
-            **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
-        )
+        with _eager_layers(chunks):
+            outputs = schedule_for(chunks, forward_backward_func)(
+                forward_step_func=forward_step,
+                data_iterator=data_iterator,
+                model=chunks,
+                forward_only=True,
+                **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
+            )
     finally:
         for chunk in chunks:
             chunk.train()
     return _global_loss(outputs, device)
+
+
+@contextmanager
+def _eager_layers(chunks: list[torch.nn.Module]):
+    """Megatron's per-layer CUDA graphs (parallel.cuda_graphs=local) hold a training step's forward
+    and backward; a forward-only pass runs the layers eagerly in between (megatron's own switch,
+    ``toggle_cuda_graphs``, which keeps the captured graphs for the next training step)."""
+    models = [m for m in map(unwrap, chunks) if _graph_impl(m) == "local"]
+    if not models:
+        yield
+        return
+    from megatron.core.transformer.utils import toggle_cuda_graphs
+
+    for m in models:
+        toggle_cuda_graphs(m, set_to="none")
+    try:
+        yield
+    finally:
+        for m in models:
+            toggle_cuda_graphs(m, set_to="local")
+
+
+def _graph_impl(model: torch.nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "cuda_graph_impl", "none")
