@@ -109,9 +109,13 @@ class Pi05Config:
 
     def validate(self, prefix: str = "model.embodied") -> None:
         if self.compile_scope not in COMPILE_SCOPES:
-            raise ValueError(f"{prefix}.compile_scope={self.compile_scope!r}; allowed: {', '.join(COMPILE_SCOPES)}")
+            raise ValueError(
+                f"{prefix}.compile_scope={self.compile_scope!r}; allowed: {', '.join(COMPILE_SCOPES)}"
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"{prefix}.attention_impl={self.attention_impl!r}; allowed: {', '.join(ATTENTION_IMPLS)}")
+            raise ValueError(
+                f"{prefix}.attention_impl={self.attention_impl!r}; allowed: {', '.join(ATTENTION_IMPLS)}"
+            )
         self.vision.validate(f"{prefix}.vision")
         self.vlm.validate(f"{prefix}.vlm")
         self.expert.validate(f"{prefix}.expert")

@@ -108,7 +108,9 @@ def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean [B, Sq, Sk] mask as an additive [B, 1, Sq, Sk] bias with a finite minimum, so that
     a padded query row (one that may see nothing) averages instead of producing NaN, which would
     leak through the zero weights."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[:, None]
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, torch.finfo(dtype).min
+    )[:, None]
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -134,7 +136,9 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: tor
 ATTENTION = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, impl: str = "sdpa") -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, impl: str = "sdpa"
+) -> torch.Tensor:
     """Attention over [B, H, S, D] with KV heads shared by query groups and a boolean [B, Sq, Sk]
     mask; returns [B, Sq, H * D]."""
     out = ATTENTION[impl](q, k, v, attention_bias(mask, q.dtype))
