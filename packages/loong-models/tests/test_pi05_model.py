@@ -1,12 +1,15 @@
 """Pi0.5's structure: parameter counts without building, the prefix never seeing the actions, the
 flow-matching pieces, and config errors that name the key."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from loong_models import load_model_config
 from loong_models.embodied import Pi05Policy
 from loong_models.embodied.pi05 import attention_mask, sample_time
+from loong_models.embodied.pi05.layers import attention
 
 TINY = load_model_config("pi05-tiny").embodied
 
@@ -48,3 +51,41 @@ def test_config_errors_name_the_key():
         ValueError, match="model.embodied.expert.head_dim=32 must equal model.embodied.vlm.head_dim=16"
     ):
         load_model_config("pi05-tiny", ["embodied.expert.head_dim=32"])
+    with pytest.raises(ValueError, match="model.embodied.compile_scope='all'; allowed: none, per_layer"):
+        load_model_config("pi05-tiny", ["embodied.compile_scope=all"])
+    with pytest.raises(ValueError, match="model.embodied.attention_impl='flash'; allowed: sdpa, eager"):
+        load_model_config("pi05-tiny", ["embodied.attention_impl=flash"])
+
+
+def test_eager_attention_equals_sdpa_with_shared_kv_heads_and_a_padded_query_row():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 7, 16, generator=g) for n in (8, 2, 2))  # 4 query heads per KV head
+    mask = torch.rand(2, 7, 7, generator=g) > 0.3
+    mask[:, :, 0] = True
+    mask[1, 3] = False  # a padded query: sees nothing, averages
+    expect = attention(q, k, v, mask, "sdpa")
+    torch.testing.assert_close(attention(q, k, v, mask, "eager"), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_a_policy_with_eager_attention_and_compiled_layers_trains_like_the_eager_sdpa_policy():
+    batch = {"images": torch.rand(2, 1, 3, 64, 64) * 2 - 1, "image_masks": torch.ones(2, 1, dtype=torch.bool),
+             "tokens": torch.randint(0, 100, (2, 12)), "token_mask": torch.arange(12).expand(2, -1) < torch.tensor([[12], [7]]),
+             "actions": torch.randn(2, TINY.chunk_size, TINY.max_action_dim)}  # fmt: skip
+    noise, time = torch.randn_like(batch["actions"]), torch.tensor([0.3, 0.9])
+    torch.manual_seed(0)
+    ref = Pi05Policy(TINY)
+    fast = Pi05Policy(dataclasses.replace(TINY, attention_impl="eager"))
+    fast.load_state_dict(ref.state_dict())
+    # compile_scope=per_layer's code path; aot_eager traces (dynamo) and splits forward/backward
+    # (AOT autograd) as inductor does, without the minutes of C++ code generation on a CPU
+    fast.compile_layers(backend="aot_eager")
+    assert fast.state_dict().keys() == ref.state_dict().keys()
+    losses = [p.flow_loss(batch, noise, time).mean() for p in (ref, fast)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    scale = max(p.grad.abs().max() for p in ref.parameters() if p.grad is not None)
+    for (name, a), b in zip(ref.named_parameters(), fast.parameters()):
+        # an unused output's parameter: no gradient in eager mode, zero when compiled (or neither)
+        expect, got = (torch.zeros_like(a) if p.grad is None else p.grad for p in (a, b))
+        torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-5 * scale, msg=name)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+COMPILE_SCOPES = ("none", "per_layer")
+ATTENTION_IMPLS = ("sdpa", "eager")
+
 
 @dataclass
 class SiglipConfig:
@@ -97,8 +100,22 @@ class Pi05Config:
     max_period: float = 4.0
     freeze_vision_encoder: bool = False
     train_expert_only: bool = False
+    # torch.compile scope (LoongForge's key): "none" (eager) or "per_layer" (each SigLIP layer and
+    # each joint layer compiled; the layers of a kind share one compiled graph, so compiling is quick)
+    compile_scope: str = "none"
+    # the joint attention: "sdpa" (torch's kernels) or "eager" (matmuls + fp32 softmax; faster on
+    # CUDA at Pi0.5's shape, where SDPA with a mask falls back to its memory-efficient kernel)
+    attention_impl: str = "sdpa"
 
     def validate(self, prefix: str = "model.embodied") -> None:
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(
+                f"{prefix}.compile_scope={self.compile_scope!r}; allowed: {', '.join(COMPILE_SCOPES)}"
+            )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"{prefix}.attention_impl={self.attention_impl!r}; allowed: {', '.join(ATTENTION_IMPLS)}"
+            )
         self.vision.validate(f"{prefix}.vision")
         self.vlm.validate(f"{prefix}.vlm")
         self.expert.validate(f"{prefix}.expert")

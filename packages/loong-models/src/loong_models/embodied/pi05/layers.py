@@ -104,16 +104,44 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA over [B, H, S, D] with KV heads shared by query groups and a boolean [B, Sq, Sk] mask.
-    The mask becomes additive with a finite minimum so that a padded query row (one that may see
-    nothing) averages instead of producing NaN, which would leak through the zero weights."""
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean [B, Sq, Sk] mask as an additive [B, 1, Sq, Sk] bias with a finite minimum, so that
+    a padded query row (one that may see nothing) averages instead of producing NaN, which would
+    leak through the zero weights."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, torch.finfo(dtype).min
+    )[:, None]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """torch's SDPA (with a mask: its memory-efficient kernel on CUDA), KV heads repeated per group."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-        ~mask, torch.finfo(q.dtype).min
-    )
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Two matmuls around an fp32 softmax. The query heads of a group are stacked along the
+    sequence, so the shared KV head is used as it is (no repeated K/V). At Pi0.5's short
+    sequences (~500 tokens) and head_dim 256 this beats the memory-efficient kernel's backward,
+    and torch.compile fuses the softmax."""
+    b, h, s, d = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(b, kv, (h // kv) * s, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().view(b, kv, h // kv, s, -1) * d**-0.5
+    probs = (scores + bias[:, :, None]).softmax(dim=-1).to(v.dtype).view(b, kv, (h // kv) * s, -1)
+    return torch.matmul(probs, v).view(b, h, s, d)
+
+
+ATTENTION = {"sdpa": sdpa_attention, "eager": eager_attention}
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, impl: str = "sdpa"
+) -> torch.Tensor:
+    """Attention over [B, H, S, D] with KV heads shared by query groups and a boolean [B, Sq, Sk]
+    mask; returns [B, Sq, H * D]."""
+    out = ATTENTION[impl](q, k, v, attention_bias(mask, q.dtype))
     b, h, s, d = out.shape
     return out.transpose(1, 2).reshape(b, s, h * d)
 
@@ -122,18 +150,27 @@ class JointLayer(nn.Module):
     """A mixture-of-transformers layer: the VLM block (prefix tokens) and the expert block (action
     tokens) keep their own weights but attend in one softmax over both token sets."""
 
-    def __init__(self, vlm: GemmaConfig, expert: GemmaConfig) -> None:
+    def __init__(self, vlm: GemmaConfig, expert: GemmaConfig, attention_impl: str = "sdpa") -> None:
         super().__init__()
+        self.attention_impl = attention_impl
         self.vlm = GemmaBlock(vlm, cond_width=None)
         self.expert = GemmaBlock(expert, cond_width=expert.width)
 
-    def forward(self, xs: list[torch.Tensor], cond: torch.Tensor, mask, positions, theta: float) -> list:
+    def forward(self, xs: list[torch.Tensor], cond: torch.Tensor, mask, positions, theta: float,
+                prefix_out: bool = True) -> list:  # fmt: skip
+        """Both token sets through the layer; with ``prefix_out=False`` (the last layer in training:
+        nothing reads the prefix after it) the VLM block stops after its keys and values and the
+        prefix comes back unchanged."""
         blocks = (self.vlm, self.expert)
         normed = [blk.input_layernorm(x, c) for blk, x, c in zip(blocks, xs, (None, cond))]
         qkvs = [blk.qkv(h) for blk, (h, _) in zip(blocks, normed)]
         q, k, v = (torch.cat(t, dim=2) for t in zip(*qkvs))
         q, k = rope(q, positions, theta), rope(k, positions, theta)
-        out = attention(q, k, v, mask).split([x.shape[1] for x in xs], dim=1)
+        p = xs[0].shape[1]
+        if not prefix_out:  # the expert's queries only: the prefix's rows of the attention are unused
+            out = attention(q[:, :, p:], k, v, mask[:, p:], self.attention_impl)
+            return [xs[0], self.expert.finish(xs[1], out, normed[1][1], cond)]
+        out = attention(q, k, v, mask, self.attention_impl).split([p, xs[1].shape[1]], dim=1)
         return [blk.finish(x, o, g, c) for blk, x, o, (_, g), c in zip(blocks, xs, out, normed, (None, cond))]
 
     def prefix_kv(self, x: torch.Tensor, mask, positions, theta: float) -> tuple[torch.Tensor, tuple]:
@@ -141,7 +178,7 @@ class JointLayer(nn.Module):
         h, _ = self.vlm.input_layernorm(x)
         q, k, v = self.vlm.qkv(h)
         q, k = rope(q, positions, theta), rope(k, positions, theta)
-        return self.vlm.finish(x, attention(q, k, v, mask), None, None), (k, v)
+        return self.vlm.finish(x, attention(q, k, v, mask, self.attention_impl), None, None), (k, v)
 
     def suffix_with_cache(self, x, cache: tuple, cond, mask, positions, theta: float) -> torch.Tensor:
         """The expert alone over the action tokens, attending to the cached prefix keys/values."""
@@ -149,4 +186,4 @@ class JointLayer(nn.Module):
         q, k, v = self.expert.qkv(h)
         q, k = rope(q, positions, theta), rope(k, positions, theta)
         k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-        return self.expert.finish(x, attention(q, k, v, mask), gate, cond)
+        return self.expert.finish(x, attention(q, k, v, mask, self.attention_impl), gate, cond)

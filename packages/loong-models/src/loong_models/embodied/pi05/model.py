@@ -43,7 +43,7 @@ class Pi05Policy(nn.Module):
         self.vision = SiglipTower(cfg.vision)
         self.projector = nn.Linear(cfg.vision.hidden_size, v.width)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, v.width)
-        self.layers = nn.ModuleList(JointLayer(v, e) for _ in range(v.depth))
+        self.layers = nn.ModuleList(JointLayer(v, e, cfg.attention_impl) for _ in range(v.depth))
         self.vlm_norm = GemmaRMSNorm(v.width, v.norm_eps)
         self.expert_norm = AdaRMSNorm(e.width, e.width, e.norm_eps)
         self.action_in_proj = nn.Linear(cfg.max_action_dim, e.width)
@@ -51,6 +51,15 @@ class Pi05Policy(nn.Module):
         self.time_mlp_in = nn.Linear(e.width, e.width)
         self.time_mlp_out = nn.Linear(e.width, e.width)
         self._freeze()
+        if cfg.compile_scope == "per_layer":
+            self.compile_layers()
+
+    def compile_layers(self, **compile_kwargs) -> None:
+        """torch.compile each SigLIP layer and each joint layer in place (parameter names and the
+        state dict stay as they are); the layers of a kind share one compiled graph. A parameter
+        whose output is unused (the last VLM block's MLP) then gets a zero gradient, not None."""
+        for layer in [*self.vision.layers, *self.layers]:
+            layer.compile(**compile_kwargs)
 
     def _freeze(self) -> None:
         frozen = []
@@ -95,8 +104,8 @@ class Pi05Policy(nn.Module):
         starts[:, p] = True  # the action block starts after the prefix
         mask, positions = attention_mask(pad, starts), torch.cumsum(pad, dim=1) - 1
         xs = [prefix, suffix.to(prefix.dtype)]
-        for layer in self.layers:
-            xs = layer(xs, cond, mask, positions, self.cfg.rope_theta)
+        for i, layer in enumerate(self.layers):  # the last layer's prefix output is never read
+            xs = layer(xs, cond, mask, positions, self.cfg.rope_theta, prefix_out=i < len(self.layers) - 1)
         out, _ = self.expert_norm(xs[1], cond)
         return self.action_out_proj(out.float())
 
