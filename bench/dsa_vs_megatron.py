@@ -83,6 +83,15 @@ def tf32(step: Callable[[], list[torch.Tensor]]) -> Callable[[], list[torch.Tens
     return run
 
 
+def _stacks(ours: Callable[[str], Callable], megatron: Callable[[], Callable] | None) -> dict[str, Callable]:
+    """A case's stacks: Loong's kernel, the torch reference in fp32 and TF32, and (on CUDA, when
+    ``megatron`` builds its step) megatron-core's kernel."""
+    steps = {"loong": ours("loong"), "reference": ours("reference"), "reference-tf32": tf32(ours("reference"))}
+    if megatron is not None:
+        steps["megatron"] = _or_raise(megatron)
+    return steps
+
+
 def _kernel(name: str, impl: str) -> Callable:
     entry = dispatch.KERNELS[name]
     return dispatch._load(entry.tilelang if impl == "loong" else entry.reference)
@@ -103,13 +112,7 @@ def attention_case(t: dict[str, torch.Tensor], shape: str) -> Case:
 
         return step
 
-    case.steps = {
-        "loong": ours("loong"),
-        "reference": ours("reference"),
-        "reference-tf32": tf32(ours("reference")),
-    }
-    if q.is_cuda:
-        case.steps["megatron"] = _or_raise(lambda: megatron_attention(q, kv, idx, dout, scale))
+    case.steps = _stacks(ours, (lambda: megatron_attention(q, kv, idx, dout, scale)) if q.is_cuda else None)
     return case
 
 
@@ -140,13 +143,7 @@ def indexer_case(t: dict[str, torch.Tensor], topk: int, shape: str) -> Case:
         scores = _kernel("indexer_scores", impl)
         return lambda: [ref_dsa.topk_indices(scores(q_i, k_i, w, starts), topk)]
 
-    case.steps = {
-        "loong": ours("loong"),
-        "reference": ours("reference"),
-        "reference-tf32": tf32(ours("reference")),
-    }
-    if q_i.is_cuda:
-        case.steps["megatron"] = _or_raise(lambda: megatron_indexer(q_i, k_i, w, starts, topk))
+    case.steps = _stacks(ours, (lambda: megatron_indexer(q_i, k_i, w, starts, topk)) if q_i.is_cuda else None)
     return case
 
 
