@@ -125,13 +125,14 @@ class Trainer:
         self.num_microbatches = validate(cfg, env.world_size)
         self.dtype = self.accel.preferred_dtype if t.dtype == "auto" else _DTYPES[t.dtype]
         initialize_model_parallel(cfg.parallel, env.world_size)
-        seed_everything(t.seed, graph_safe=cfg.parallel.cuda_graphs != "none")
+        graph_safe = cfg.parallel.cuda_graphs != "none"  # CUDA graphs need TE's graph-safe RNG tracker
+        seed_everything(t.seed, graph_safe=graph_safe)
         self.dp = data_parallel()
         layout = step_layout(cfg, num_microbatches=self.num_microbatches, dp=self.dp, device=self.device)
         self.data = data(layout) if data else run_data(cfg, layout, is_main=self.is_main)
         # preparing data may draw from the host RNG (a diffusion job builds its random towers on a
         # cold cache): seed again so that the initial weights do not depend on the cache's state
-        seed_everything(t.seed, graph_safe=cfg.parallel.cuda_graphs != "none")
+        seed_everything(t.seed, graph_safe=graph_safe)
         tokens = cfg.data.seq_length * t.micro_batch_size // cfg.parallel.cp  # one micro-batch's GEMM rows
         self.model = model or model_kind(cfg.model, self.accel.device_type, seed=t.seed, tokens_per_microbatch=tokens)
         self._build_model()
