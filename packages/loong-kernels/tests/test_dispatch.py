@@ -26,7 +26,7 @@ def test_forcing_tilelang_where_it_cannot_run_is_an_error():
 
 def test_bad_override_names_the_allowed_values(monkeypatch):
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
-    with pytest.raises(ValueError, match="allowed: auto, tilelang, reference"):
+    with pytest.raises(ValueError, match="allowed: auto, tilelang, megatron, reference"):
         choose("swiglu_fwd", torch.randn(2, 4))
     with pytest.raises(ValueError), use_implementation("fast"):  # type: ignore[arg-type]
         pass

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from loong_kernels.dispatch import call
+from loong_kernels.dispatch import call, call_with, choose_op
 from loong_kernels.reference import dsa as ref
 
 
@@ -28,9 +28,11 @@ class SparseMLAFunction(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = call("sparse_mla_fwd", q, kv, indices, d_v, scale)
+        # measured once per shape bucket; the backward runs the same implementation (LSE conventions differ)
+        impl = choose_op("sparse_mla", q, kv, indices, d_v, scale)
+        out, lse = call_with(impl, "sparse_mla_fwd", q, kv, indices, d_v, scale)
         ctx.save_for_backward(q, kv, out, indices, lse)
-        ctx.d_v, ctx.scale = d_v, scale
+        ctx.d_v, ctx.scale, ctx.impl = d_v, scale, impl
         # the LSE is returned for inspection and the indexer target, not differentiated
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -38,7 +40,7 @@ class SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
         q, kv, out, indices, lse = ctx.saved_tensors
-        dq, dkv = call("sparse_mla_bwd", q, kv, out, dout.contiguous(), indices, lse, ctx.d_v, ctx.scale)
+        dq, dkv = call_with(ctx.impl, "sparse_mla_bwd", q, kv, out, dout.contiguous(), indices, lse, ctx.d_v, ctx.scale)
         return dq, dkv, None, None, None
 
 

@@ -1,0 +1,31 @@
+"""torchrun worker of test_autotune: each rank's own timings favour a different candidate (rank
+0's "a" is the fast reference, rank 1's "a" is the query-by-query one); with the process group up,
+both must run rank 0's choice. Prints ``rank R: local X, chosen Y by Z``."""
+
+import os
+
+import torch.distributed as dist
+from test_autotune import FAST, SLOW, _inputs
+
+from loong_kernels.agreement import rel_diff
+from loong_kernels.autotune import Autotuner
+from loong_kernels.ops.dsa_tuning import sparse_mla_trial
+
+
+def main() -> None:
+    rank = int(os.environ["RANK"])
+    args = _inputs()
+    fast, slow = sparse_mla_trial(FAST, *args), sparse_mla_trial(SLOW, *args)
+    steps = {"a": fast, "b": slow} if rank == 0 else {"a": slow, "b": fast}
+    local = Autotuner(iters=2).pick("k", steps, reference="a", check=rel_diff, tol=1e-5)  # not distributed yet
+    dist.init_process_group("gloo")
+    try:
+        tuner = Autotuner(iters=2)
+        chosen = tuner.pick("k", steps, reference="a", check=rel_diff, tol=1e-5)
+        print(f"rank {rank}: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
