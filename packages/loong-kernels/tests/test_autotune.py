@@ -104,6 +104,23 @@ def test_a_candidate_that_raises_or_disagrees_is_skipped_and_the_table_is_logged
     assert "<- chosen" in text and "broken" in text.split("decided by this process")[1]
 
 
+def test_when_the_reference_itself_fails_the_fallback_is_chosen_and_kept_or_the_error_raised(caplog):
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    calls: list[str] = []
+    candidates = {"reference": out_of_memory, "fast": _counted(lambda: [torch.ones(2)], calls, "fast")}
+    tuner = Autotuner(iters=1)
+    with caplog.at_level(logging.INFO, logger="loong_kernels"):
+        for _ in range(2):
+            assert tuner.pick("k", candidates, reference="reference", check=rel_diff, tol=0.0, fallback="fast") == "fast"
+    assert not calls  # unchecked, so not timed either
+    assert tuner.cache["k"].skipped == {"reference": "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB"}
+    assert caplog.text.count("the reference failed (OutOfMemoryError") == 1
+    with pytest.raises(torch.OutOfMemoryError):
+        Autotuner().pick("k", candidates, reference="reference", check=rel_diff, tol=0.0)
+
+
 def test_the_override_forces_an_implementation_without_measuring(monkeypatch):
     q, kv, idx, d_v, scale = _inputs(16)
     chooser = dispatch.Dispatcher()

@@ -60,14 +60,23 @@ class Autotuner:
         check: Check,
         tol: float,
         skipped: Mapping[str, str] | None = None,
+        fallback: str | None = None,
     ) -> str:
         """The winner for ``key``: cached, or measured now over ``candidates`` (name -> a step that
         runs that implementation on the real inputs and returns the outputs to compare).
-        ``skipped``: candidates that cannot run these inputs, with the reason (logged in the table)."""
+        ``skipped``: candidates that cannot run these inputs, with the reason (logged in the table).
+        ``fallback``: the choice when the reference itself fails (e.g. out of memory), so that no
+        candidate can be checked; None re-raises the reference's error."""
         if key not in self.cache:
             if reference not in candidates:
                 raise ValueError(f"autotune {key}: the reference {reference!r} is not among {list(candidates)}")
-            decision = self._measure(key, candidates, reference, check, tol, dict(skipped or {}))
+            try:
+                decision = self._measure(key, candidates, reference, check, tol, dict(skipped or {}))
+            except _ReferenceFailed as e:
+                if fallback is None:
+                    raise e.__cause__ from None
+                logger.warning("autotune %s: the reference failed (%s); nothing can be checked, using %s", key, e, fallback)
+                decision = Decision(key, fallback, {}, {**(skipped or {}), reference: str(e)}, "the fallback")
             decision = _agree_across_ranks(decision)
             self.cache[key] = decision
             logger.info(format_decision(decision))
@@ -77,7 +86,10 @@ class Autotuner:
         self, key: Hashable, candidates: Mapping[str, Step], reference: str, check: Check, tol: float,
         skipped: dict[str, str],
     ) -> Decision:  # fmt: skip
-        truth = candidates[reference]()  # no truth, no decision: the reference's error propagates
+        try:
+            truth = candidates[reference]()
+        except Exception as e:  # no truth, no measured decision
+            raise _ReferenceFailed(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from e
         ms = {reference: self._time(candidates[reference], truth)}
         for name, step in candidates.items():
             if name == reference:
@@ -105,6 +117,10 @@ class Autotuner:
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
+
+
+class _ReferenceFailed(Exception):
+    pass
 
 
 def _agree_across_ranks(decision: Decision) -> Decision:
