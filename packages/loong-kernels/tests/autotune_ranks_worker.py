@@ -1,15 +1,20 @@
 """torchrun worker of test_autotune: each rank's own timings favour a different candidate (rank
 0's "a" is the fast reference, rank 1's "a" is the query-by-query one); with the process group up,
-both must run rank 0's choice. Prints ``rank R: local X, chosen Y by Z``."""
+both must run rank 0's choice; with megatron-core's parallel state at PP=2, each pipeline stage
+(one rank each here) decides alone, with no collective across stages. Prints
+``rank R [world|pp=2]: local X, chosen Y by Z``."""
 
 import os
 
 import torch.distributed as dist
+from megatron.core import parallel_state as mpu
 from test_autotune import FAST, SLOW, _inputs
 
 from loong_kernels.agreement import rel_diff
 from loong_kernels.autotune import Autotuner
 from loong_kernels.ops.dsa_tuning import sparse_mla_trial
+from loong_xpu import get_accelerator
+from loong_xpu.patches import redirect_cuda
 
 
 def main() -> None:
@@ -22,7 +27,13 @@ def main() -> None:
     try:
         tuner = Autotuner(iters=2)
         chosen = tuner.pick("k", steps, reference="a", check=rel_diff, tol=1e-5)
-        print(f"rank {rank}: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}", flush=True)
+        print(f"rank {rank} world: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}", flush=True)
+        with redirect_cuda(get_accelerator("cpu")):
+            mpu.initialize_model_parallel(1, 2)
+            tuner = Autotuner(iters=2)
+            chosen = tuner.pick("k", steps, reference="a", check=rel_diff, tol=1e-5)
+            print(f"rank {rank} pp=2: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}", flush=True)
+            mpu.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
 

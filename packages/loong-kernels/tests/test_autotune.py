@@ -149,11 +149,17 @@ def test_on_the_cpu_only_the_reference_runs_so_nothing_is_timed_and_the_op_still
     assert dispatch.current_dispatcher() is not chooser  # the block's dispatcher is gone after it
 
 
-def test_every_rank_runs_rank_0s_choice_even_where_its_own_timing_differs():
+def test_every_rank_runs_rank_0s_choice_even_where_its_own_timing_differs_and_pipeline_stages_decide_alone():
     worker = Path(__file__).with_name("autotune_ranks_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launch_env())
     assert done.returncode == 0, done.stderr[-3000:]
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
-    # rank 0's "a" is the fast one; rank 1's own timings favour "b", but it runs rank 0's "a"
-    assert lines == ["rank 0: local a, chosen a by rank 0 of 2", "rank 1: local b, chosen a by rank 0 of 2"]
+    # rank 0's "a" is the fast one; rank 1's own timings favour "b", but it runs rank 0's "a";
+    # at PP=2 the two ranks are different stages: each decides alone (no collective to deadlock on)
+    assert lines == [
+        "rank 0 pp=2: local a, chosen a by this process",
+        "rank 0 world: local a, chosen a by rank 0 of 2",
+        "rank 1 pp=2: local b, chosen b by this process",
+        "rank 1 world: local b, chosen a by rank 0 of 2",
+    ]

@@ -11,16 +11,20 @@ Lifetime: the cache is this object's. :mod:`loong_kernels.dispatch` owns one :cl
 in its process-wide dispatcher, so a decision lasts for the process; a fresh ``Autotuner``
 (e.g. a :class:`~loong_kernels.dispatch.Dispatcher` in ``use_dispatcher``) starts empty.
 
-Across ranks: when ``torch.distributed`` is initialised with more than one rank, rank 0's
-decision is broadcast (``broadcast_object_list`` on the default group), so every DP/TP/CP rank
-runs the same implementation even where its own timings would differ. This is a collective:
-every rank must reach a new key at the same call, which holds for SPMD training where all
-ranks run the op on the same shape bucket in the same order.
+Across ranks: when ``torch.distributed`` is initialised with more than one rank, the first rank
+of the decision group broadcasts its decision (``broadcast_object_list``), so every rank of the
+group runs the same implementation even where its own timings would differ. The group is the
+ranks that run the same layers in lockstep: with megatron-core's parallel state initialised,
+the TP x DP x CP group of this pipeline stage (stages reach their first call at different
+times, so a world-wide collective could deadlock against the pipeline's sends); otherwise the
+world. This is a collective: every rank of the group must reach a new key at the same call,
+which holds in SPMD training where they run the op on the same shape bucket in the same order.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
@@ -123,15 +127,28 @@ class _ReferenceFailed(Exception):
     pass
 
 
+def _decision_group() -> object | None:
+    """This pipeline stage's TP x DP x CP group when megatron-core's parallel state is up (looked up
+    only if megatron-core is already imported), else None: the world."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        return ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    return None
+
+
 def _agree_across_ranks(decision: Decision) -> Decision:
-    """Rank 0's decision on every rank (unchanged when not distributed)."""
+    """The decision of the group's first rank on every rank of the group (unchanged when not distributed)."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not (dist.is_available() and dist.is_initialized()):
         return decision
-    box = [decision if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    group = _decision_group()
+    size = dist.get_world_size(group)
+    if size == 1:
+        return decision
+    box = [decision if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, group=group, group_src=0)
     chosen: Decision = box[0]  # type: ignore[assignment]
-    return replace(chosen, decided_by=f"rank 0 of {dist.get_world_size()}")
+    return replace(chosen, decided_by=f"rank 0 of {size}")
 
 
 def format_decision(d: Decision) -> str:
