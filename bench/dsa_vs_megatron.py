@@ -17,8 +17,8 @@ megatron-core 0.19 ships TileLang DSA kernels (``megatron.core.transformer.exper
     python bench/dsa_vs_megatron.py --shapes 8192x128x2048 4096x128x2048 8192x64x2048 8192x16x2048
 
 Prints one table per run (ms = median of --iters, CUDA events), each shape's Loong / megatron-core
-speed ratio (the issue's target: >= 1.0x at T=8K, H=128, top-k 2048), the decision table of
-``loong_kernels.dispatch`` for each shape's sparse MLA (the implementation training would run),
+speed ratio (the issue's target: >= 1.0x at T=8K, H=128, top-k 2048), the decision tables of
+``loong_kernels.dispatch`` for each shape's sparse MLA and indexer top-k (what training would run),
 and exits 1 when an implementation raised or failed its check. Needs CUDA and tilelang.
 """
 
@@ -148,29 +148,22 @@ def _or_raise(build: Callable[[], Callable]) -> Callable:
 def megatron_indexer(q_i, k_i, w, starts, topk: int) -> Callable[[], list[torch.Tensor]]:
     """megatron-core's fused TileLang indexer hook as its DSA layer calls it (``run_fused_qk_topk``:
     lightning-indexer scores + top-k over query blocks of 8192, keys outside [starts[t], t] -> -1)."""
-    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+    from loong_kernels import megatron_dsa
 
-    if tilelang_dsa.lighting_indexer_indices is None:
-        raise RuntimeError("megatron-core's TileLang indexer is unavailable (tilelang does not import)")
-    seq = q_i.shape[0]
-    ends = torch.arange(1, seq + 1, device=q_i.device, dtype=torch.int32)
-    q4, k3, w3 = q_i.unsqueeze(1), k_i.unsqueeze(1), w.unsqueeze(1)  # [sq, b=1, ...]
-
-    def step() -> list[torch.Tensor]:
-        idx = tilelang_dsa.run_fused_qk_topk(q4, k3, w3, topk, starts.int(), ends, 8192)
-        if idx is None:
-            raise RuntimeError("megatron-core's fused indexer declined these inputs")
-        return [idx[0]]
-
-    return step
+    reason = megatron_dsa.indexer_topk_blocker(q_i, k_i, w, starts, topk)
+    if reason is not None:
+        raise RuntimeError(reason)
+    return lambda: [megatron_dsa.indexer_topk(q_i, k_i, w, starts, topk)]
 
 
-def dispatch_decision(t: dict[str, torch.Tensor]) -> str:
-    """The decision table of a fresh dispatcher for this shape's sparse MLA (what training would run)."""
+def dispatch_decision(t: dict[str, torch.Tensor], topk: int) -> str:
+    """The decision tables of a fresh dispatcher for this shape's sparse MLA and indexer top-k
+    (what training would run)."""
     q, kv, idx = t["q"], t["kv"], t["idx"].to(torch.int32).contiguous()
     chooser = dispatch.Dispatcher()
     try:
         chooser.choose_op("sparse_mla", q, kv, idx, D_V, q.shape[-1] ** -0.5)
+        chooser.choose_op("indexer_topk", t["q_i"], t["k_i"], t["w"], t["starts"], topk)
     except Exception as e:  # reported, the bench's own rows still stand
         return f"dispatch failed: {type(e).__name__}: {e}"
     return "\n".join(autotune.format_decision(d) for d in chooser.autotuner.cache.values())
@@ -230,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"running {case.name} ...", file=sys.stderr, flush=True)
             rows.extend(run(case, args.iters, check, tol))
             torch.cuda.empty_cache()
-        decisions.append(dispatch_decision(t))
+        decisions.append(dispatch_decision(t, topk))
         del t
     print_rows(rows)
     print("\n".join(speedups(rows)))
-    print("\n".join(["", "dispatch (sparse MLA, fresh dispatcher per shape):", *decisions]))
+    print("\n".join(["", "dispatch (sparse MLA, indexer top-k; fresh dispatcher per shape):", *decisions]))
     bad = [f"{r.case} [{r.impl}]: {r.error}" for r in rows if r.error]
     if bad:
         print("failed:\n  " + "\n  ".join(bad))

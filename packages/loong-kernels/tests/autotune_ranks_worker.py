@@ -22,15 +22,15 @@ def main() -> None:
     args = _inputs()
     fast, slow = sparse_mla_trial(FAST, *args), sparse_mla_trial(SLOW, *args)
     steps = {"a": fast, "b": slow} if rank == 0 else {"a": slow, "b": fast}
-    local = Autotuner(iters=2).pick("k", steps, reference="a", check=rel_diff, tol=1e-5)  # not distributed yet
+    local = Autotuner(iters=5).pick("k", steps, reference="a", check=rel_diff, tol=1e-5)  # not distributed yet
     dist.init_process_group("gloo")
     try:
-        tuner = Autotuner(iters=2)
+        tuner = Autotuner(iters=5)
         chosen = tuner.pick("k", steps, reference="a", check=rel_diff, tol=1e-5)
         print(f"rank {rank} world: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}", flush=True)
         with redirect_cuda(get_accelerator("cpu")):
             mpu.initialize_model_parallel(1, 2)
-            tuner = Autotuner(iters=2)
+            tuner = Autotuner(iters=5)
             chosen = tuner.pick("k", steps, reference="a", check=rel_diff, tol=1e-5)
             print(f"rank {rank} pp=2: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}", flush=True)
             mpu.destroy_model_parallel()

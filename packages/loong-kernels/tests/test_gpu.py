@@ -188,3 +188,33 @@ def test_dispatch_picks_loongs_sparse_mla_over_megatron_cores_at_8k_and_all_thre
         out, _ = lk.sparse_mla_attention(qg, kv, idx)
         out.backward(torch.ones_like(out))
     assert chooser.autotuner.cache.keys() == {decision.key} and torch.isfinite(qg.grad).all()
+
+
+def test_dispatch_picks_loongs_indexer_top_k_over_megatron_cores_at_8k_and_all_three_agree():
+    """The indexer's selection at T=8192 (64 heads of 128, top-k 2048, two packed documents): Loong's
+    TileLang scores + torch.topk, megatron-core's fused run_fused_qk_topk and the reference are timed;
+    none is skipped (each picks <= 1% keys the reference did not), Loong's wins."""
+    from loong_kernels import dispatch
+    from loong_kernels.agreement import missed_fraction
+    from loong_kernels.autotune import format_decision
+    from loong_kernels.reference.dsa import doc_starts
+
+    n, topk = 8192, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_i = torch.randn(n, 64, 128, device="cuda", dtype=BF16, generator=g)
+    k_i = torch.randn(n, 128, device="cuda", dtype=BF16, generator=g)
+    w = torch.randn(n, 64, device="cuda", dtype=BF16, generator=g) * 64**-0.5
+    starts = doc_starts(torch.tensor([0, n // 4, n]), n, torch.device("cuda"))
+    chooser = dispatch.Dispatcher()
+    impl = chooser.choose_op("indexer_topk", q_i, k_i, w, starts, topk)
+    (decision,) = chooser.autotuner.cache.values()
+    print(format_decision(decision))
+    assert not decision.skipped, decision.skipped
+    assert impl == "tilelang" and decision.ms["tilelang"] < decision.ms["megatron"], format_decision(decision)
+    ours = dispatch.op_kernels("indexer_topk", "tilelang")["indexer_topk"](q_i, k_i, w, starts, topk)
+    theirs = dispatch.op_kernels("indexer_topk", "megatron")["indexer_topk"](q_i, k_i, w, starts, topk)
+    assert missed_fraction([ours], [theirs]) <= 1e-2
+    with dispatch.use_dispatcher(chooser):
+        cu = torch.tensor([0, n // 4, n], device="cuda")
+        assert missed_fraction([lk.lightning_indexer_topk(q_i, k_i, w, topk, cu)], [ours]) == 0.0
+    assert chooser.autotuner.cache.keys() == {decision.key}

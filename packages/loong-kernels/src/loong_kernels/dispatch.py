@@ -5,8 +5,8 @@ when the inputs live on the device of loong-xpu's accelerator, that accelerator 
 ``tilelang`` imports, the dtype is half precision and the kernel's ``supports`` accepts the
 shapes; otherwise the reference runs.
 
-Ops with several fast implementations (:data:`TUNED`: DSA's sparse MLA, whose forward and
-backward must come from the same one) are measured instead: :func:`choose_op` has the current
+Ops with several fast implementations (:data:`TUNED`: DSA's indexer top-k and sparse MLA, whose
+forward and backward must come from the same one) are measured instead: :func:`choose_op` has the current
 :class:`Dispatcher`'s :class:`~loong_kernels.autotune.Autotuner` time every implementation that
 can run the call, on its real inputs, once per shape bucket, and keeps the fastest that agrees
 with the reference (the decision table is logged; ranks agree on rank 0's choice).
@@ -66,6 +66,10 @@ KERNELS: dict[str, KernelEntry] = {
     # chunking is the memory win; the chunks are cuBLAS matmuls, so there is no TileLang version
     "linear_cross_entropy": KernelEntry(f"{_REF}.linear_cross_entropy:linear_cross_entropy_chunked"),
     "indexer_scores": KernelEntry(f"{_REF}.dsa:indexer_scores", f"{_TL}.indexer:indexer_scores", f"{_TL}.indexer:supports_scores"),
+    "indexer_topk": KernelEntry(
+        f"{_REF}.dsa:indexer_topk", f"{_TL}.indexer:indexer_topk", f"{_TL}.indexer:supports_indexer_topk",
+        f"{_MC}:indexer_topk", f"{_MC}:indexer_topk_blocker",
+    ),  # fmt: skip
     "indexer_topk_logits_fwd": KernelEntry(
         f"{_REF}.dsa:indexer_topk_logits_fwd", f"{_TL}.indexer:indexer_topk_logits_fwd", f"{_TL}.indexer:supports_topk"
     ),
@@ -226,6 +230,11 @@ TUNED: dict[str, TunedOp] = {
     "sparse_mla": TunedOp(
         ("sparse_mla_fwd", "sparse_mla_bwd"), "loong_kernels.ops.dsa_tuning:sparse_mla_trial",
         "loong_kernels.ops.dsa_tuning:sparse_mla_bucket", "loong_kernels.agreement:rel_diff", 2e-2,
+    ),  # fmt: skip
+    # bf16 scores round near-ties differently: up to 1% of the keys may differ from the reference's
+    "indexer_topk": TunedOp(
+        ("indexer_topk",), "loong_kernels.ops.dsa_tuning:indexer_topk_trial",
+        "loong_kernels.ops.dsa_tuning:indexer_topk_bucket", "loong_kernels.agreement:missed_fraction", 1e-2,
     ),  # fmt: skip
 }
 

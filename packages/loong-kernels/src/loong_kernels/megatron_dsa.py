@@ -1,4 +1,4 @@
-"""megatron-core's TileLang sparse-MLA kernels behind Loong's kernel signatures, so that the
+"""megatron-core's TileLang DSA kernels (sparse MLA, fused indexer top-k) behind Loong's kernel signatures, so that the
 dispatcher can race them against Loong's own (``megatron-core>=0.19`` ships them in
 ``megatron.core.transformer.experimental_attention_variant.ops``; imported only when chosen).
 
@@ -72,3 +72,39 @@ def sparse_mla_bwd(q, kv, out, dout, indices, lse, d_v: int, scale: float) -> tu
     dq, dkv = _ops().sparse_mla_bwd(q.contiguous(), kv3, out.contiguous(), dout.contiguous(), idx3, lse2, sm_scale=scale)
     valid = (indices >= 0).any(-1)
     return torch.where(valid[:, None, None], dq, 0), dkv.squeeze(1).to(kv.dtype)
+
+
+# megatron-core's DSA layer scores queries in blocks of this many against all keys
+_INDEXER_QUERY_BLOCK = 8192
+
+
+@functools.cache
+def _indexer_ops() -> Any | None:
+    try:
+        from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+    except Exception as e:
+        logger.info("megatron-core's fused indexer does not import (%s)", e)
+        return None
+    return tilelang_dsa if tilelang_dsa.lighting_indexer_indices is not None else None
+
+
+def indexer_topk_blocker(q_i, k_i, w, starts, topk: int) -> str | None:  # noqa: ANN001
+    """Why megatron-core's fused indexer cannot run ``indexer_topk``'s arguments, or None."""
+    if q_i.dtype != torch.bfloat16 or k_i.dtype != torch.bfloat16:
+        return f"megatron-core's fused indexer is bfloat16 only, got {q_i.dtype}"
+    if _indexer_ops() is None:
+        return "megatron-core's TileLang indexer does not import"
+    return None
+
+
+def indexer_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, topk: int) -> torch.Tensor:
+    """As :func:`loong_kernels.reference.dsa.indexer_topk`: megatron's ``run_fused_qk_topk`` as its
+    DSA layer calls it (keys outside ``[starts[t], t]`` are -1), padded with -1 to ``topk`` columns."""
+    seq = q_i.shape[0]
+    ends = torch.arange(1, seq + 1, device=q_i.device, dtype=torch.int32)
+    idx = _indexer_ops().run_fused_qk_topk(
+        q_i.unsqueeze(1), k_i.unsqueeze(1), w.unsqueeze(1), topk, starts.int().contiguous(), ends, _INDEXER_QUERY_BLOCK
+    )
+    if idx is None:
+        raise RuntimeError("megatron-core's fused indexer declined these inputs")
+    return torch.nn.functional.pad(idx[0], (0, topk - idx.shape[-1]), value=-1)

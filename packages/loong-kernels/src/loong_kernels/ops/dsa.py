@@ -3,7 +3,7 @@
 The pieces, in the order a DeepSeek-V3.2 attention layer uses them:
 
 1. :func:`lightning_indexer_scores` then :func:`select_topk` pick ``topk`` keys per query
-   (no gradient: selection is discrete);
+   (no gradient: selection is discrete); :func:`lightning_indexer_topk` does both in one op;
 2. :func:`sparse_mla_attention` attends over those keys only (gradients to ``q`` and ``kv``);
 3. :func:`indexer_kl_loss` trains the indexer towards the head-averaged attention distribution
    over the same keys (:func:`sparse_attention_head_mean_probs`, detached): it is the indexer's
@@ -80,6 +80,19 @@ def lightning_indexer_scores(
     _check_thd("k_i", k_i, 2)
     starts = ref.doc_starts(cu_seqlens, q_i.shape[0], q_i.device)
     return call("indexer_scores", q_i.contiguous(), k_i.contiguous(), w.contiguous(), starts)
+
+
+@torch.no_grad()
+def lightning_indexer_topk(
+    q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``select_topk(lightning_indexer_scores(...), topk)`` as one op, so that implementations that
+    fuse the two (megatron-core's) can be chosen: the dispatcher measures which is fastest per shape."""
+    _check_thd("q_i", q_i, 3)
+    _check_thd("k_i", k_i, 2)
+    starts = ref.doc_starts(cu_seqlens, q_i.shape[0], q_i.device)
+    args = (q_i.contiguous(), k_i.contiguous(), w.contiguous(), starts, topk)
+    return call_with(choose_op("indexer_topk", *args), "indexer_topk", *args)
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -164,9 +177,7 @@ def deepseek_sparse_attention(
     Add ``indexer_loss`` (times its coefficient) to the training loss: it is the indexer's
     only gradient, and it does not reach ``q`` or ``kv``.
     """
-    scores = lightning_indexer_scores(q_i, k_i, w, cu_seqlens)
-    indices = select_topk(scores, topk)
-    del scores
+    indices = lightning_indexer_topk(q_i, k_i, w, topk, cu_seqlens)
     out, lse = sparse_mla_attention(q, kv, indices, d_v, scale)
     target = sparse_attention_head_mean_probs(q.detach(), kv.detach(), indices, lse, scale)
     loss = indexer_kl_loss(q_i, k_i, w, indices, target)
