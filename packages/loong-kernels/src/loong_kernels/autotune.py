@@ -93,7 +93,7 @@ class Autotuner:
         try:
             truth = candidates[reference]()
         except Exception as e:  # no truth, no measured decision
-            raise _ReferenceFailed(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from e
+            raise _ReferenceFailed(_why(e)) from e
         ms = {reference: self._time(candidates[reference], truth)}
         for name, step in candidates.items():
             if name == reference:
@@ -104,7 +104,7 @@ class Autotuner:
                     raise ValueError(f"differs from {reference}: {diff:.3g} > {tol}")
                 ms[name] = self._time(step, truth)
             except Exception as e:  # any failure of a candidate only removes it from the race
-                skipped[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                skipped[name] = _why(e)
                 logger.warning("autotune %s: skipping %s (%s)", key, name, skipped[name])
         winner = min(ms, key=ms.__getitem__)
         return Decision(key, winner, ms, skipped)
@@ -125,6 +125,11 @@ class Autotuner:
 
 class _ReferenceFailed(Exception):
     pass
+
+
+def _why(e: Exception) -> str:
+    """An exception as one short line for the log and the table."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
 def _decision_group() -> object | None:
