@@ -1,7 +1,8 @@
-"""GPU: megatron's precision-aware optimizer (optim.precision_aware, optim.state_dtype) trains a
-tiny Pi0.5 in bf16 as the default optimizer does.
+"""GPU: the embodied (Pi0.5) kind's step never blocks the host on the device between its
+forward and backward, and megatron's precision-aware optimizer (optim.precision_aware,
+optim.state_dtype) trains a tiny Pi0.5 in bf16 as the default optimizer does.
 
-Run on a CUDA machine with TE: ``pytest -m gpu packages/loong-parallel/tests/test_embodied_precision_aware_gpu.py``.
+Run on a CUDA machine with TE: ``pytest -m gpu packages/loong-parallel/tests/test_embodied_gpu.py``.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loong_models.embodied import Pi05Policy
 from loong_models.specs import te_installed
 from loong_parallel import OptimConfig, ParallelConfig, build_model_chunks, build_optimizer
-from loong_parallel.embodied import EmbodiedPolicy
+from loong_parallel.embodied import EmbodiedPolicy, policy_forward_step
 from loong_parallel.step import train_step
 from loong_xpu import get_accelerator
 
@@ -54,3 +56,23 @@ def test_precision_aware_adam_trains_as_the_default_optimizer(megatron_cuda, tin
     # bf16 moments: ~3 significant digits in the moments, the same trajectory over a few steps
     assert bf16 == pytest.approx(ref, rel=3e-2), (ref, bf16)
     torch.testing.assert_close(bf16_w, ref_w, rtol=5e-2, atol=5e-3)
+
+
+def test_the_policy_step_queues_forward_and_backward_without_a_stream_sync(tiny_pi05, pi05_batches):
+    """A sync (a blocking host-device copy, a read-back) would stall the host, which launches the
+    kernels of this host-bound model, until the device has drained its queue."""
+    policy = Pi05Policy(tiny_pi05).cuda().bfloat16()
+    batch = {k: v.pin_memory() for k, v in next(pi05_batches(1)).items()}  # as the data path stages it
+    device = torch.device("cuda")
+    policy_forward_step(device, iter([batch]), policy)  # warm-up: allocator, kernels, pinned pool
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss_sum, loss_func = policy_forward_step(device, iter([batch]), policy)
+        loss, count, _ = loss_func(loss_sum)
+        (loss / count).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (
+        policy.action_out_proj.weight.grad is not None and policy.vision.layers[0].fc1.weight.grad is not None
+    )
