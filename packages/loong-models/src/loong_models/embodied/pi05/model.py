@@ -122,8 +122,8 @@ class Pi05Policy(nn.Module):
         cond = self.time_condition(time)
         b, p, s = prefix.shape[0], prefix.shape[1], suffix.shape[1]
         pad = torch.cat([prefix_pad, prefix_pad.new_ones(b, s)], dim=1)
-        starts = torch.zeros_like(pad)
-        starts[:, p] = True  # the action block starts after the prefix
+        # the action block starts after the prefix (built on the device: no host-to-device copy)
+        starts = (torch.arange(p + s, device=pad.device) == p).expand(b, -1)
         mask, positions = attention_mask(pad, starts), torch.cumsum(pad, dim=1) - 1
         xs = [prefix, suffix.to(prefix.dtype)]
         for i, layer in enumerate(self.layers):  # the last layer's prefix output is never read
