@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from loong_models import ImageEncoderConfig
+from loong_models.specs import te_installed
 from loong_models.testing import build_vision
 
 FFN = 40  # not a multiple of 64: padded to 64
@@ -98,3 +99,40 @@ def test_padded_mlp_gives_the_same_output_and_gradients_and_its_padding_stays_ze
         for n in names:
             assert not _padding(padded.get_parameter(n), n, gated).any(), n
         _padded_copy(plain, padded, gated)  # both continue from the same weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not te_installed(), reason="needs CUDA and transformer-engine"
+)
+def test_te_vit_builds_its_padding_zero_and_its_gradients_there_are_zero_on_cuda():
+    """TE layers (bf16, the fused norm + fc1 and fc2 that training runs): the padding is zero as
+    built and after AdamW steps, its gradients exactly zero; the real width is ffn_hidden_size."""
+    from loong_xpu import get_accelerator
+    from loong_xpu.testing import megatron_world
+
+    with megatron_world(get_accelerator("cuda")):
+        torch.manual_seed(0)
+        cfg = dataclasses.replace(_configs("qwen2.5-vit")[1], pad_ffn_to=None, ffn_hidden_size=3420 // 36)
+        assert cfg.padded_ffn_hidden_size == 128  # 95 -> 128 (the type's 64)
+        encoder, _ = build_vision(cfg, backend="te", dtype=torch.bfloat16)
+        encoder = encoder.cuda()
+        params = dict(encoder.named_parameters())
+        names = [n for n in _mlp_names(params) if not n.endswith("linear_fc2.bias")]
+        assert {params[n].shape[0 if "fc1" in n else 1] for n in names} == {256, 128}
+        real = cfg.ffn_hidden_size
+
+        def pad(t: torch.Tensor, name: str) -> torch.Tensor:
+            return t.view(2, -1, *t.shape[1:])[:, real:] if "fc1" in name else t[:, real:]
+
+        assert all(not pad(params[n], n).any() for n in names)
+        opt = torch.optim.AdamW(encoder.parameters(), lr=0.1, weight_decay=0.1)
+        grid = torch.tensor([[1, 8, 8], [2, 4, 8]])
+        pixels = torch.randn(int(grid.prod(-1).sum()), cfg.patch_dim, device="cuda")
+        for _ in range(2):
+            opt.zero_grad()
+            encoder(pixels, grid).float().square().mean().backward()
+            assert all(not pad(params[n].grad, n).any() for n in names)
+            assert all(params[n].grad[:real].abs().sum() > 0 for n in names if "fc1" in n)
+            opt.step()
+        assert all(not pad(params[n], n).any() for n in names)
