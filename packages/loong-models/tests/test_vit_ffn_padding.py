@@ -22,7 +22,10 @@ def _configs(type_: str) -> tuple[ImageEncoderConfig, ImageEncoderConfig]:
 
 
 def _mlp_names(state: dict[str, torch.Tensor]) -> list[str]:
-    return [k for k in state if ".mlp.linear_fc" in k and not k.endswith("_extra_state")]
+    """The MLP's linear weights and biases (not TE's fused pre-MLP norm, ``linear_fc1.layer_norm_*``)."""
+    return [
+        k for k in state if ".mlp.linear_fc" in k and not k.endswith("_extra_state") and "layer_norm" not in k
+    ]
 
 
 def _padded_copy(plain: torch.nn.Module, padded: torch.nn.Module, gated: bool) -> None:
