@@ -121,5 +121,7 @@ def test_segment_groups_are_computed_once_per_micro_batch_and_give_the_same_atte
     cu = torch.tensor(bounds, dtype=torch.int32)
     for causal in (True, False):
         plain = packed_causal_attention(q, k, v, cu, scale=0.3, causal=causal)
-        given = packed_causal_attention(q, k, v, cu, scale=0.3, causal=causal, bounds=bounds, by_length=groups)
+        given = packed_causal_attention(
+            q, k, v, cu, scale=0.3, causal=causal, bounds=bounds, by_length=groups
+        )
         assert torch.equal(plain, given)
