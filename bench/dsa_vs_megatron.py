@@ -17,8 +17,9 @@ megatron-core 0.19 ships TileLang DSA kernels (``megatron.core.transformer.exper
     python bench/dsa_vs_megatron.py --shapes 8192x128x2048 4096x128x2048 8192x64x2048 8192x16x2048
 
 Prints one table per run (ms = median of --iters, CUDA events), each shape's Loong / megatron-core
-speed ratio (the issue's target: >= 1.0x at T=8K, H=128, top-k 2048), and exits 1 when an
-implementation raised or failed its check. Needs CUDA and tilelang.
+speed ratio (the issue's target: >= 1.0x at T=8K, H=128, top-k 2048), the decision tables of
+``loong_kernels.dispatch`` for each shape's sparse MLA and indexer top-k (what training would run),
+and exits 1 when an implementation raised or failed its check. Needs CUDA and tilelang.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from kernels import Case, Row, _dsa_inputs, _measure  # noqa: E402
 
-from loong_kernels import dispatch  # noqa: E402
+from loong_kernels import autotune, dispatch  # noqa: E402
+from loong_kernels.agreement import missed_fraction, rel_diff  # noqa: E402
 from loong_kernels.reference import dsa as ref_dsa  # noqa: E402
 
 IDX_HEADS = 64
@@ -50,23 +52,6 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     if min(seq, heads, topk) < 1:
         raise SystemExit(f"--shapes {text!r}: sizes must be >= 1")
     return seq, heads, topk
-
-
-def rel_diff(out: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """The largest max |a - b| / max |b| over the tensors."""
-    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-12)).item()
-               for a, b in zip(out, ref))  # fmt: skip
-
-
-def missed_fraction(out: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """The fraction of selected keys (``-1`` = none) that the reference did not select."""
-    idx, want = out[0].long(), ref[0].long()
-    n = max(int(want.max()) + 2, int(idx.max()) + 2)
-    chosen = torch.zeros(want.shape[0], n, dtype=torch.bool, device=want.device)
-    chosen.scatter_(1, want + 1, True)
-    hit = chosen.gather(1, idx + 1) | (idx < 0)
-    selected = (idx >= 0).sum().clamp(min=1)
-    return 1.0 - ((hit & (idx >= 0)).sum() / selected).item()
 
 
 def tf32(step: Callable[[], list[torch.Tensor]]) -> Callable[[], list[torch.Tensor]]:
@@ -163,21 +148,25 @@ def _or_raise(build: Callable[[], Callable]) -> Callable:
 def megatron_indexer(q_i, k_i, w, starts, topk: int) -> Callable[[], list[torch.Tensor]]:
     """megatron-core's fused TileLang indexer hook as its DSA layer calls it (``run_fused_qk_topk``:
     lightning-indexer scores + top-k over query blocks of 8192, keys outside [starts[t], t] -> -1)."""
-    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_dsa
+    from loong_kernels import megatron_dsa
 
-    if tilelang_dsa.lighting_indexer_indices is None:
-        raise RuntimeError("megatron-core's TileLang indexer is unavailable (tilelang does not import)")
-    seq = q_i.shape[0]
-    ends = torch.arange(1, seq + 1, device=q_i.device, dtype=torch.int32)
-    q4, k3, w3 = q_i.unsqueeze(1), k_i.unsqueeze(1), w.unsqueeze(1)  # [sq, b=1, ...]
+    reason = megatron_dsa.indexer_topk_blocker(q_i, k_i, w, starts, topk)
+    if reason is not None:
+        raise RuntimeError(reason)
+    return lambda: [megatron_dsa.indexer_topk(q_i, k_i, w, starts, topk)]
 
-    def step() -> list[torch.Tensor]:
-        idx = tilelang_dsa.run_fused_qk_topk(q4, k3, w3, topk, starts.int(), ends, 8192)
-        if idx is None:
-            raise RuntimeError("megatron-core's fused indexer declined these inputs")
-        return [idx[0]]
 
-    return step
+def dispatch_decision(t: dict[str, torch.Tensor], topk: int) -> str:
+    """The decision tables of a fresh dispatcher for this shape's sparse MLA and indexer top-k
+    (what training would run)."""
+    q, kv, idx = t["q"], t["kv"], t["idx"].to(torch.int32).contiguous()
+    chooser = dispatch.Dispatcher()
+    try:
+        chooser.choose_op("sparse_mla", q, kv, idx, D_V, q.shape[-1] ** -0.5)
+        chooser.choose_op("indexer_topk", t["q_i"], t["k_i"], t["w"], t["starts"], topk)
+    except Exception as e:  # reported, the bench's own rows still stand
+        return f"dispatch failed: {type(e).__name__}: {e}"
+    return "\n".join(autotune.format_decision(d) for d in chooser.autotuner.cache.values())
 
 
 def run(case: Case, iters: int, check: Callable, tol: float) -> list[Row]:
@@ -225,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows: list[Row] = []
+    decisions: list[str] = []
     for seq, heads, topk in shapes:
         t = _dsa_inputs(seq, heads, IDX_HEADS, topk)
         shape = f"[T={seq} H={heads} topk={topk}]"
@@ -233,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"running {case.name} ...", file=sys.stderr, flush=True)
             rows.extend(run(case, args.iters, check, tol))
             torch.cuda.empty_cache()
+        decisions.append(dispatch_decision(t, topk))
         del t
     print_rows(rows)
     print("\n".join(speedups(rows)))
+    print("\n".join(["", "dispatch (sparse MLA, indexer top-k; fresh dispatcher per shape):", *decisions]))
     bad = [f"{r.case} [{r.impl}]: {r.error}" for r in rows if r.error]
     if bad:
         print("failed:\n  " + "\n  ".join(bad))

@@ -26,7 +26,7 @@ def test_forcing_tilelang_where_it_cannot_run_is_an_error():
 
 def test_bad_override_names_the_allowed_values(monkeypatch):
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
-    with pytest.raises(ValueError, match="allowed: auto, tilelang, reference"):
+    with pytest.raises(ValueError, match="allowed: auto, tilelang, megatron, reference"):
         choose("swiglu_fwd", torch.randn(2, 4))
     with pytest.raises(ValueError), use_implementation("fast"):  # type: ignore[arg-type]
         pass
@@ -94,3 +94,14 @@ def test_sparse_mla_refuses_shapes_whose_gemms_cannot_be_split_over_the_warps():
     q32 = torch.empty(8, 16, 64 + 32, dtype=torch.bfloat16)
     kv32 = torch.empty(8, 64 + 32, dtype=torch.bfloat16)
     assert sparse_mla.supports(q32, kv32, None, 64, 1.0)
+
+
+def test_every_megatron_entry_and_tuned_op_resolves():
+    for name, entry in dispatch.KERNELS.items():
+        for path in (entry.megatron, entry.megatron_blocker):
+            if path is not None:
+                assert callable(dispatch._load(path)), (name, path)
+    for op, tuned in dispatch.TUNED.items():
+        assert all(k in dispatch.KERNELS for k in tuned.kernels), op
+        for path in (tuned.trial, tuned.key, tuned.check):
+            assert callable(dispatch._load(path)), (op, path)

@@ -153,3 +153,68 @@ def test_linear_cross_entropy_matches_unfused_and_saves_memory():
     torch.testing.assert_close(dh1.float(), dh2.float(), atol=1e-2 * dh2.abs().max().item(), rtol=0)
     torch.testing.assert_close(dw1.float(), dw2.float(), atol=1e-2 * dw2.abs().max().item(), rtol=0)
     assert peaks[0] <= 0.25 * peaks[1], f"fused peak {peaks[0] / 2**20:.0f} MiB vs unfused {peaks[1] / 2**20:.0f} MiB"
+
+
+def test_dispatch_picks_loongs_sparse_mla_over_megatron_cores_at_8k_and_all_three_agree():
+    """T=8192, H=128, top-k 2048 (the issue's shape): a fresh dispatcher times Loong's TileLang
+    kernels, megatron-core's and the reference on the same inputs; none is skipped (each agrees
+    with the reference within 2e-2), Loong's wins, and Loong's and megatron-core's agree."""
+    from loong_kernels import dispatch
+    from loong_kernels.agreement import rel_diff
+    from loong_kernels.autotune import format_decision
+    from loong_kernels.ops.dsa_tuning import sparse_mla_trial
+    from loong_kernels.reference.dsa import topk_indices
+
+    n, heads, topk = 8192, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(n, heads, 576, device="cuda", dtype=BF16, generator=g)
+    kv = torch.randn(n, 576, device="cuda", dtype=BF16, generator=g)
+    causal = torch.ones(n, n, device="cuda", dtype=torch.bool).triu(1)
+    idx = topk_indices(torch.rand(n, n, device="cuda", generator=g).masked_fill(causal, float("-inf")), topk)
+    del causal
+    args = (q, kv, idx, 512, 576**-0.5)
+    chooser = dispatch.Dispatcher()
+    impl = chooser.choose_op("sparse_mla", *args)
+    (decision,) = chooser.autotuner.cache.values()
+    print(format_decision(decision))
+    assert not decision.skipped, decision.skipped
+    assert impl == "tilelang" and decision.ms["tilelang"] < decision.ms["megatron"], format_decision(decision)
+    ours = sparse_mla_trial(dispatch.op_kernels("sparse_mla", "tilelang"), *args)()
+    theirs = sparse_mla_trial(dispatch.op_kernels("sparse_mla", "megatron"), *args)()
+    assert rel_diff(ours, theirs) <= 2e-2
+    # the op itself runs the dispatcher's choice, forward and backward
+    with dispatch.use_dispatcher(chooser):
+        qg = q.detach().requires_grad_()
+        out, _ = lk.sparse_mla_attention(qg, kv, idx)
+        out.backward(torch.ones_like(out))
+    assert chooser.autotuner.cache.keys() == {decision.key} and torch.isfinite(qg.grad).all()
+
+
+def test_dispatch_picks_loongs_indexer_top_k_over_megatron_cores_at_8k_and_all_three_agree():
+    """The indexer's selection at T=8192 (64 heads of 128, top-k 2048, two packed documents): Loong's
+    TileLang scores + torch.topk, megatron-core's fused run_fused_qk_topk and the reference are timed;
+    none is skipped (each picks <= 1% keys the reference did not), Loong's wins."""
+    from loong_kernels import dispatch
+    from loong_kernels.agreement import missed_fraction
+    from loong_kernels.autotune import format_decision
+    from loong_kernels.reference.dsa import doc_starts
+
+    n, topk = 8192, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q_i = torch.randn(n, 64, 128, device="cuda", dtype=BF16, generator=g)
+    k_i = torch.randn(n, 128, device="cuda", dtype=BF16, generator=g)
+    w = torch.randn(n, 64, device="cuda", dtype=BF16, generator=g) * 64**-0.5
+    starts = doc_starts(torch.tensor([0, n // 4, n]), n, torch.device("cuda"))
+    chooser = dispatch.Dispatcher()
+    impl = chooser.choose_op("indexer_topk", q_i, k_i, w, starts, topk)
+    (decision,) = chooser.autotuner.cache.values()
+    print(format_decision(decision))
+    assert not decision.skipped, decision.skipped
+    assert impl == "tilelang" and decision.ms["tilelang"] < decision.ms["megatron"], format_decision(decision)
+    ours = dispatch.op_kernels("indexer_topk", "tilelang")["indexer_topk"](q_i, k_i, w, starts, topk)
+    theirs = dispatch.op_kernels("indexer_topk", "megatron")["indexer_topk"](q_i, k_i, w, starts, topk)
+    assert missed_fraction([ours], [theirs]) <= 1e-2
+    with dispatch.use_dispatcher(chooser):
+        cu = torch.tensor([0, n // 4, n], device="cuda")
+        assert missed_fraction([lk.lightning_indexer_topk(q_i, k_i, w, topk, cu)], [ours]) == 0.0
+    assert chooser.autotuner.cache.keys() == {decision.key}

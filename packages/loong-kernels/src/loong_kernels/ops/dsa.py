@@ -3,7 +3,7 @@
 The pieces, in the order a DeepSeek-V3.2 attention layer uses them:
 
 1. :func:`lightning_indexer_scores` then :func:`select_topk` pick ``topk`` keys per query
-   (no gradient: selection is discrete);
+   (no gradient: selection is discrete); :func:`lightning_indexer_topk` does both in one op;
 2. :func:`sparse_mla_attention` attends over those keys only (gradients to ``q`` and ``kv``);
 3. :func:`indexer_kl_loss` trains the indexer towards the head-averaged attention distribution
    over the same keys (:func:`sparse_attention_head_mean_probs`, detached): it is the indexer's
@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from loong_kernels.dispatch import call
+from loong_kernels.dispatch import call, call_with, choose_op
 from loong_kernels.reference import dsa as ref
 
 
@@ -28,9 +28,11 @@ class SparseMLAFunction(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = call("sparse_mla_fwd", q, kv, indices, d_v, scale)
+        # measured once per shape bucket; the backward runs the same implementation (LSE conventions differ)
+        impl = choose_op("sparse_mla", q, kv, indices, d_v, scale)
+        out, lse = call_with(impl, "sparse_mla_fwd", q, kv, indices, d_v, scale)
         ctx.save_for_backward(q, kv, out, indices, lse)
-        ctx.d_v, ctx.scale = d_v, scale
+        ctx.d_v, ctx.scale, ctx.impl = d_v, scale, impl
         # the LSE is returned for inspection and the indexer target, not differentiated
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -38,7 +40,7 @@ class SparseMLAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
         q, kv, out, indices, lse = ctx.saved_tensors
-        dq, dkv = call("sparse_mla_bwd", q, kv, out, dout.contiguous(), indices, lse, ctx.d_v, ctx.scale)
+        dq, dkv = call_with(ctx.impl, "sparse_mla_bwd", q, kv, out, dout.contiguous(), indices, lse, ctx.d_v, ctx.scale)
         return dq, dkv, None, None, None
 
 
@@ -78,6 +80,19 @@ def lightning_indexer_scores(
     _check_thd("k_i", k_i, 2)
     starts = ref.doc_starts(cu_seqlens, q_i.shape[0], q_i.device)
     return call("indexer_scores", q_i.contiguous(), k_i.contiguous(), w.contiguous(), starts)
+
+
+@torch.no_grad()
+def lightning_indexer_topk(
+    q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``select_topk(lightning_indexer_scores(...), topk)`` as one op, so that implementations that
+    fuse the two (megatron-core's) can be chosen: the dispatcher measures which is fastest per shape."""
+    _check_thd("q_i", q_i, 3)
+    _check_thd("k_i", k_i, 2)
+    starts = ref.doc_starts(cu_seqlens, q_i.shape[0], q_i.device)
+    args = (q_i.contiguous(), k_i.contiguous(), w.contiguous(), starts, topk)
+    return call_with(choose_op("indexer_topk", *args), "indexer_topk", *args)
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -162,9 +177,7 @@ def deepseek_sparse_attention(
     Add ``indexer_loss`` (times its coefficient) to the training loss: it is the indexer's
     only gradient, and it does not reach ``q`` or ``kv``.
     """
-    scores = lightning_indexer_scores(q_i, k_i, w, cu_seqlens)
-    indices = select_topk(scores, topk)
-    del scores
+    indices = lightning_indexer_topk(q_i, k_i, w, topk, cu_seqlens)
     out, lse = sparse_mla_attention(q, kv, indices, d_v, scale)
     target = sparse_attention_head_mean_probs(q.detach(), kv.detach(), indices, lse, scale)
     loss = indexer_kl_loss(q_i, k_i, w, indices, target)

@@ -74,6 +74,11 @@ def topk_indices(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return idx
 
 
+def indexer_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, topk: int) -> torch.Tensor:
+    """:func:`topk_indices` of :func:`indexer_scores`: the selection as one kernel-shaped call."""
+    return topk_indices(indexer_scores(q_i, k_i, w, starts), topk)
+
+
 def _gather_rows(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x[indices]`` in float32 with empty slots (``-1``) reading row 0, and the validity mask."""
     valid = indices >= 0

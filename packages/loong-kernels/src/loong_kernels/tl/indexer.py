@@ -29,6 +29,10 @@ def supports_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, start
     return _indexer_shapes_ok(q_i, k_i, w)
 
 
+def supports_indexer_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, topk: int) -> bool:
+    return _indexer_shapes_ok(q_i, k_i, w)
+
+
 def supports_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> bool:
     return _indexer_shapes_ok(q_i, k_i, w)
 
@@ -212,3 +216,10 @@ def indexer_topk_logits_bwd(
     dw = torch.empty_like(w)
     build_topk_logits_bwd(heads, dim, idx.shape[1], dtype_name(q_i.dtype))(g, q_i, k_i, w, idx, dq, dk, dw)
     return dq, dk.to(k_i.dtype), dw
+
+
+def indexer_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, topk: int) -> torch.Tensor:
+    """The TileLang scores, then ``torch.topk`` (as the reference selects)."""
+    from loong_kernels.reference.dsa import topk_indices
+
+    return topk_indices(indexer_scores(q_i, k_i, w, starts), topk)

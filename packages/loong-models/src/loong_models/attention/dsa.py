@@ -36,8 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_kernels import (
     indexer_kl_loss,
-    lightning_indexer_scores,
-    select_topk,
+    lightning_indexer_topk,
     sparse_attention_head_mean_probs,
     sparse_mla_attention,
 )
@@ -132,7 +131,7 @@ class DSAttention(MegatronModule):
         # the dense [s, s] indexer scores stay per sequence rather than [b*s, b*s].
         for i in range(b):
             q, kv = query[:, i], key[:, i, 0]
-            indices = select_topk(lightning_indexer_scores(q_i[:, i], k_i[:, i], w[:, i]), self.topk)
+            indices = lightning_indexer_topk(q_i[:, i], k_i[:, i], w[:, i], self.topk)
             out, lse = sparse_mla_attention(q, kv, indices, self.d_v, self.softmax_scale)
             outs.append(out)
             if with_loss:
