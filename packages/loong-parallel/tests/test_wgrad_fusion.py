@@ -134,6 +134,7 @@ def test_fused_wgrad_accumulation_on_te_layers_gives_the_unfused_gradients():
     """TE's linears and megatron's output layer (TE's GEMM through loong_xpu) on bf16: every
     main_grad equals the unfused one up to the bf16 rounding of the unfused weight gradient."""
     accel = get_accelerator("cuda")
+    assert wgrad_fusion_on(ParallelConfig(wgrad_fusion=None), accel)  # auto: on where TE runs
     with megatron_world(accel):
         unfused, fused = _main_grads_on_cuda(False, accel), _main_grads_on_cuda(True, accel)
     assert unfused.keys() == fused.keys() and "output_layer.weight" in fused

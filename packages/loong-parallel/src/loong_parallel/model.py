@@ -12,6 +12,7 @@ from megatron.core.tensor_parallel import layers as mlayers
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from loong_models.specs import te_installed
 from loong_parallel.config import ParallelConfig
 from loong_xpu import Accelerator
 
@@ -70,9 +71,10 @@ def build_model_chunks(
 
 def wgrad_fusion_on(pcfg: ParallelConfig, accel: Accelerator) -> bool:
     """``parallel.wgrad_fusion``: true / false, or null (auto): on where TE runs (CUDA with
-    Transformer Engine), where the fused GEMM saves the separate fp32 add per micro-batch."""
+    Transformer Engine installed), where the fused GEMM saves the separate fp32 add per
+    micro-batch; elsewhere the accumulation is torch's upcast addmm_, no faster than the add."""
     if pcfg.wgrad_fusion is None:
-        return accel.supports("te")
+        return accel.supports("te") and te_installed()
     return pcfg.wgrad_fusion
 
 
