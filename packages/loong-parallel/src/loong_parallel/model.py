@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_models.specs import te_installed
 from loong_parallel.config import ParallelConfig
+from loong_parallel.log import logger
 from loong_xpu import Accelerator
 
 # provider(pre_process, post_process, vp_stage) -> one pipeline stage of the model
@@ -98,6 +99,7 @@ def fuse_wgrad_accumulation(model: torch.nn.Module, required: bool = True) -> in
     if local and not hasattr(mlayers, "fused_weight_gradient_mlp_cuda"):
         raise RuntimeError("parallel.wgrad_fusion: megatron's own linears need loong_xpu's wgrad GEMMs; "
                            "build the model inside loong_xpu.redirect_cuda (it supplies them on every backend)")  # fmt: skip
+    logger.info("parallel.wgrad_fusion: %d TE and %d megatron linears accumulate wgrad into main_grad", te, local)
     if required and not te + local:
         raise ValueError("parallel.wgrad_fusion=true but the model has no megatron or TE linears to fuse; "
                          "set parallel.wgrad_fusion=false (or null: auto)")  # fmt: skip
