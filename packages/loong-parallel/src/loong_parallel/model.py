@@ -84,8 +84,9 @@ def fuse_wgrad_accumulation(model: torch.nn.Module, required: bool = True) -> in
     ``main_grad`` (parallel.wgrad_fusion): TE's linears through TE's own fused accumulation,
     megatron's own linears (the output layer; all of them on the local backend) through
     ``gradient_accumulation_fusion`` with loong_xpu's GEMMs in place of apex's (the patch manifest).
-    The switch is per module, after the build: megatron's config flag would refuse without apex,
-    and a model built without DDP (no ``main_grad``) keeps the plain path. A weight whose grad does
+    The switch is per module, after the build and before DDP allocates ``main_grad`` (which a
+    switched linear needs in backward): megatron's config flag would refuse without apex, and a
+    model built outside :func:`build_model_chunks` (no DDP) keeps the plain path. A weight whose grad does
     not go through a fused GEMM (an embedding, one tied to the output layer) keeps DDP's add.
     Returns the number of modules switched; ``required``: none to switch is an error."""
     te, local = 0, 0
