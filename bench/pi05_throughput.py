@@ -151,10 +151,11 @@ def reference_worker(args) -> None:
     from loong_train.trainer import run_data, step_layout
 
     cfg = compose(json.loads(args.overrides))
-    data = run_data(cfg, step_layout(cfg, num_microbatches=1))
+    device = "cuda" if args.device == "cuda" else "cpu"
+    # the train app's data path as Loong gets it: prefetched, page-locked for a CUDA device
+    data = run_data(cfg, step_layout(cfg, num_microbatches=1, device=torch.device(device)))
     ds, e = data.batcher.ds, cfg.model.embodied
     torch.manual_seed(0)
-    device = "cuda" if args.device == "cuda" else "cpu"
     bf16 = args.dtype == "bf16"
     if args.reference == "lerobot":
         policy, loss_fn, opt, sched = lerobot_policy(e, ds.camera_keys, data.batcher.state_dim,

@@ -55,10 +55,12 @@ def test_vision_tp_shards_assemble_the_global_tensor(tp):
     """Every rank's online shard of each ViT / merger rule, concatenated along the split dim, is
     the global tensor the offline converter writes (what megatron checkpoints hold)."""
     from loong_ckpt.mapping import GATE_UP, Split
-    from loong_ckpt.vlm import QWEN25_MERGER, QWEN25_VIT, AttentionShapes
+    from loong_ckpt.vlm import QWEN25_MERGER, QWEN25_VIT, AttentionShapes, PaddedFfnRule
 
-    c = AttentionShapes(num_layers=2, num_attention_heads=4, head_dim=8)
-    h, f, m = 32, 48, 128
+    h, f, m = 32, 40, 128  # the MLP padded to 64 units (32 per rank at TP=2: rank 1 holds 8 real)
+    c = AttentionShapes(
+        num_layers=2, num_attention_heads=4, head_dim=8, ffn_hidden_size=f, padded_ffn_hidden_size=64
+    )
     shapes = {
         "patch_embed.proj.weight": [(h, 3, 2, 14, 14)], "blocks.0.norm1.weight": [(h,)],
         "blocks.0.attn.qkv.weight": [(3 * h, h)], "blocks.0.attn.qkv.bias": [(3 * h,)],
@@ -74,6 +76,8 @@ def test_vision_tp_shards_assemble_the_global_tensor(tp):
         shape = shapes.get(names[0]) or shapes[names[0].replace("up_proj", "gate_proj")]
         hf = {n: torch.randn(shape[0]) for n in names}
         whole = rule.to_mcore(list(hf.values()), c, 0)
+        if isinstance(rule, PaddedFfnRule):
+            assert whole.shape[rule.split.dim] == (128 if rule.transform is GATE_UP else 64), rule.mcore
         shards = [rule.tp_shard(DictReader(hf), 0, c, r, tp, 0) for r in range(tp)]
         if rule.split is Split.REPLICATED:
             assert all(torch.equal(s, whole) for s in shards), rule.mcore
@@ -301,7 +305,7 @@ def test_vision_config_that_does_not_match_the_weights(vlm, tmp_path):
     hf = _edit_config(vlm.hf, tmp_path / "hf", lambda c: c["vision_config"].update(intermediate_size=48))
     with pytest.raises(ConversionError, match="does not match the weights") as e:
         hf_to_mcore(hf, tmp_path / "out", progress=False)
-    assert "visual.blocks.0.mlp.gate_proj.weight" in str(e.value) and "(64, 32)" in str(e.value)
+    assert "visual.blocks.0.mlp.gate_proj.weight" in str(e.value) and "(40, 32)" in str(e.value)
     assert "(48, 32)" in str(e.value)
 
 
@@ -358,7 +362,7 @@ def test_online_load_needs_the_same_model(vlm):
         model = build_foundation(cfg.foundation, tconfig, layer_backend="local")
         with pytest.raises(ConversionError, match="image_encoder: .*ImageEncoderConfig.* \\(HF\\) != None"):
             load_hf_weights(vlm.hf, [model], cfg.foundation)
-        with pytest.raises(ConversionError, match=r"image_encoder\.ffn_hidden_size: 64 \(HF\) != 48"):
+        with pytest.raises(ConversionError, match=r"image_encoder\.ffn_hidden_size: 40 \(HF\) != 48"):
             load_hf_weights(vlm.hf, [model], wider)
 
 

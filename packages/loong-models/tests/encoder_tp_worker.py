@@ -75,6 +75,19 @@ def load_stage(model, state: dict[str, torch.Tensor]) -> None:
     model.load_state_dict(own)
 
 
+def check_padding_zero(encoder, cfg, etp: int) -> None:
+    """The MLP units past ffn_hidden_size are zero on every rank (this rank's share of them)."""
+    if encoder is None:
+        return
+    per = cfg.padded_ffn_hidden_size // etp
+    keep = min(per, max(0, cfg.ffn_hidden_size - dist.get_rank() % etp * per))
+    for layer in encoder.decoder.layers:
+        fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
+        assert fc2.weight.shape[1] == per
+        assert not fc1.weight.view(2, per, -1)[:, keep:].any() and not fc1.bias.view(2, per)[:, keep:].any()
+        assert not fc2.weight[:, keep:].any() and fc2.weight[:, :keep].abs().sum() > 0
+
+
 def run(tp: int, pp: int, etp: int, state_path: Path | None) -> dict:
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -85,8 +98,10 @@ def run(tp: int, pp: int, etp: int, state_path: Path | None) -> dict:
     from loong_models.testing import packed_batch
     from loong_parallel.component_groups import component_process_groups
 
+    # the ViT MLP padded 128 -> 192 units: at encoder TP=2 rank 1 holds 32 real units and 64 of padding
     cfg = load_model_config("tiny-vlm", ["layer_backend=local", "foundation.num_layers=2",
-                                         f"image_encoder.tensor_model_parallel_size={etp}"])  # fmt: skip
+                                         f"image_encoder.tensor_model_parallel_size={etp}",
+                                         "+image_encoder.pad_ffn_to=96"])  # fmt: skip
     tconfig = build_transformer_config(cfg.foundation, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                        params_dtype=torch.float32, pipeline_dtype=torch.float32,
                                        use_cpu_initialization=True, calculate_per_token_loss=True)  # fmt: skip
@@ -100,6 +115,7 @@ def run(tp: int, pp: int, etp: int, state_path: Path | None) -> dict:
         torch.save(model.state_dict(), state_path)
     elif state_path is not None:
         load_stage(model, torch.load(state_path))
+    check_padding_zero(model.image_encoder, cfg.image_encoder, etp)
     ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(), model)
     out = forward_backward(model, ddp, packed_batch(), cfg.foundation.hidden_size)
     finalize_model_grads([ddp])

@@ -101,3 +101,27 @@ def test_packed_logits_of_a_document_ignore_its_neighbours(tiny_model) -> None:
     lo, hi = DOC_LENGTHS[0], DOC_LENGTHS[0] + DOC_LENGTHS[1]
     torch.testing.assert_close(a[:, :lo], b[:, :lo], rtol=0, atol=0)
     torch.testing.assert_close(a[:, hi:], b[:, hi:], rtol=1e-6, atol=1e-6)
+
+
+def test_segment_groups_are_computed_once_per_micro_batch_and_give_the_same_attention() -> None:
+    """Every layer of a block gets the same packed parameters: the grouping of segments by length
+    (~200 windows per Qwen2.5-VL micro-batch) is computed by the first and reused by the rest."""
+    from loong_models.packed_seq import host_segment_groups, segments_by_length
+
+    torch.manual_seed(0)
+    bounds = [0, 4, 8, 11, 15, 15, 18]  # lengths 4, 4, 3, 4, (empty), 3: two groups, not in order
+    params = packed_seq_params(torch.tensor(bounds, dtype=torch.int32), 4, bounds=bounds)
+    groups = host_segment_groups(params)
+    assert groups == segments_by_length(bounds) == {4: [0, 4, 11], 3: [8, 15]}
+    assert host_segment_groups(params) is groups  # cached on the parameters
+    params.bounds = (0, 18)  # other bounds: grouped anew
+    assert host_segment_groups(params) == {18: [0]}
+    assert host_segment_groups(packed_seq_params(torch.tensor(bounds, dtype=torch.int32), 4)) is None
+    q, k, v = torch.randn(3, 18, 2, 8, dtype=torch.float64)
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    for causal in (True, False):
+        plain = packed_causal_attention(q, k, v, cu, scale=0.3, causal=causal)
+        given = packed_causal_attention(
+            q, k, v, cu, scale=0.3, causal=causal, bounds=bounds, by_length=groups
+        )
+        assert torch.equal(plain, given)

@@ -10,6 +10,7 @@ from loong_models import load_model_config
 from loong_models.embodied import Pi05Policy
 from loong_models.embodied.pi05 import attention_mask, sample_time
 from loong_models.embodied.pi05.layers import attention
+from loong_models.embodied.pi05.model import real_dims
 
 TINY = load_model_config("pi05-tiny").embodied
 
@@ -89,3 +90,11 @@ def test_a_policy_with_eager_attention_and_compiled_layers_trains_like_the_eager
         # an unused output's parameter: no gradient in eager mode, zero when compiled (or neither)
         expect, got = (torch.zeros_like(a) if p.grad is None else p.grad for p in (a, b))
         torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("mask", [[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1]])
+def test_the_real_action_dims_are_those_of_the_mask_whether_a_prefix_or_not(mask):
+    losses = torch.randn(2, 3, 5)
+    dims = torch.tensor(mask, dtype=torch.bool)
+    got = real_dims(losses, dims)
+    assert torch.equal(got, losses[..., dims]) and got.is_contiguous()

@@ -46,7 +46,7 @@ def test_qwen25_vit_and_merger_match_hf(megatron_cpu):
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     encoder, projector = build_vision(enc_cfg, proj_cfg, out_size=48)
-    state = qwen_vit_state(hf.state_dict(), HEADS, DEPTH)
+    state = qwen_vit_state(hf.state_dict(), HEADS, DEPTH, enc_cfg.padded_ffn_hidden_size)
     load_exact(encoder, state["image_encoder"])
     load_exact(projector, state["image_projector"])
     # windows of 2x2 merge blocks: full windows, edge windows (6x10 patches), a 2-frame video clip
@@ -125,7 +125,7 @@ def test_qwen25_vit_te_backend_matches_hf_on_cuda(attention):
                     p.add_(torch.randn_like(p) * 0.1)
         encoder, projector = build_vision(enc_cfg, proj_cfg, out_size=48, backend="te", dtype=torch.bfloat16)
         encoder, projector = encoder.cuda(), projector.cuda()
-        state = qwen_vit_state(hf.state_dict(), HEADS, DEPTH)
+        state = qwen_vit_state(hf.state_dict(), HEADS, DEPTH, enc_cfg.padded_ffn_hidden_size)
         load_exact(encoder, te_names(state["image_encoder"]))
         load_exact(projector, state["image_projector"])
         grid = torch.tensor([[1, 8, 12], [1, 6, 10], [2, 4, 6]])

@@ -70,10 +70,65 @@ class AttentionShapes:
     head_dim: int
     vocab_size: int = 0
     moe: None = None  # no experts (mapping.units counts them from here)
+    # The MLP's width in HF and as Loong builds it (ImageEncoderConfig.padded_ffn_hidden_size).
+    ffn_hidden_size: int = 0
+    padded_ffn_hidden_size: int = 0
 
     @property
     def query_groups(self) -> int:
         return self.num_attention_heads  # plain multi-head attention
+
+
+@dataclass(frozen=True)
+class PaddedFfnRule(Rule):
+    """A ViT MLP tensor whose intermediate axis (the split dim: fc1's rows, fc2's columns) Loong
+    builds zero-padded to ``padded_ffn_hidden_size``: zeros are appended on import (each of the
+    gate and up halves) and removed on export, which refuses padding that is not zero."""
+
+    def _widths(self, cfg: Any) -> tuple[int, int, int]:
+        return self.split.dim, getattr(cfg, "ffn_hidden_size", 0), getattr(cfg, "padded_ffn_hidden_size", 0)
+
+    def _pad(self, t: torch.Tensor, width: int) -> torch.Tensor:
+        dim = self.split.dim
+        if t.shape[dim] >= width:
+            return t
+        shape = list(t.shape)
+        shape[dim] = width - t.shape[dim]
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+    def hf_shapes(self, mcore_shape, cfg):
+        dim, real, padded = self._widths(cfg)
+        shapes = super().hf_shapes(mcore_shape, cfg)
+        return [tuple(real if i == dim and n == padded else n for i, n in enumerate(s)) for s in shapes]
+
+    def to_mcore(self, hf, cfg, padded_vocab):
+        padded = self._widths(cfg)[2]
+        return super().to_mcore([self._pad(t, padded) for t in hf], cfg, padded_vocab)
+
+    def to_hf(self, t, cfg):
+        dim, real, padded = self._widths(cfg)
+        out = []
+        for part in super().to_hf(t, cfg):
+            if padded > real and part.shape[dim] == padded:
+                if part.narrow(dim, real, padded - real).any():
+                    raise ConversionError(f"{self.mcore}: the MLP padding (units {real}..{padded - 1}) is not zero; "
+                                     "a padded ViT MLP must keep it zero (see ImageEncoderConfig.pad_ffn_to)")  # fmt: skip
+                part = part.narrow(dim, 0, real).contiguous()
+            out.append(part)
+        return out
+
+    def tp_shard(self, reader, layer, cfg, tp_rank, tp_size, padded_vocab, expert=None):
+        dim, real, padded = self._widths(cfg)
+        if tp_size == 1 or padded <= real:
+            return super().tp_shard(reader, layer, cfg, tp_rank, tp_size, padded_vocab, expert)
+        per = padded // tp_size  # this rank's block of the padded axis, of which HF holds [start, stop)
+        start, stop = min(tp_rank * per, real), min((tp_rank + 1) * per, real)
+        names = self.hf_names(layer, expert)
+        if start == stop:  # a rank of padding only: an empty read gives the dtype and other dims
+            parts = [self._pad(reader.read(n, dim, start - 1, start).narrow(dim, 0, 0), per) for n in names]
+        else:
+            parts = [self._pad(reader.read(n, dim, start, stop), per) for n in names]
+        return self.transform.fuse(parts, cfg, cfg.query_groups // tp_size)
 
 
 # --- rules --------------------------------------------------------------------------------------
@@ -90,19 +145,19 @@ QWEN25_VIT: tuple[Rule, ...] = (
     Rule(_L + "self_attention.linear_proj.weight", (_B + "attn.proj.weight",), Split.ROW),
     Rule(_L + "self_attention.linear_proj.bias", (_B + "attn.proj.bias",), Split.REPLICATED),
     Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_B + "norm2.weight",), Split.REPLICATED),
-    Rule(
+    PaddedFfnRule(
         _L + "mlp.linear_fc1.weight",
         (_B + "mlp.gate_proj.weight", _B + "mlp.up_proj.weight"),
         Split.COLUMN,
         GATE_UP,
     ),
-    Rule(
+    PaddedFfnRule(
         _L + "mlp.linear_fc1.bias",
         (_B + "mlp.gate_proj.bias", _B + "mlp.up_proj.bias"),
         Split.COLUMN,
         GATE_UP,
     ),
-    Rule(_L + "mlp.linear_fc2.weight", (_B + "mlp.down_proj.weight",), Split.ROW),
+    PaddedFfnRule(_L + "mlp.linear_fc2.weight", (_B + "mlp.down_proj.weight",), Split.ROW),
     Rule(_L + "mlp.linear_fc2.bias", (_B + "mlp.down_proj.bias",), Split.REPLICATED),
 )
 
@@ -119,7 +174,8 @@ QWEN25_MERGER: tuple[Rule, ...] = (
 
 def _encoder_shapes(cfg: Any) -> AttentionShapes:
     e = cfg.image_encoder
-    return AttentionShapes(e.num_layers, e.num_attention_heads, e.head_dim)
+    return AttentionShapes(e.num_layers, e.num_attention_heads, e.head_dim,
+                           ffn_hidden_size=e.ffn_hidden_size, padded_ffn_hidden_size=e.padded_ffn_hidden_size)  # fmt: skip
 
 
 def _projector_shapes(cfg: Any) -> AttentionShapes:

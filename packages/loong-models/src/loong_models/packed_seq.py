@@ -18,6 +18,25 @@ class HostPackedSeqParams(PackedSeqParams):
 
     bounds: tuple[int, ...] | None = None
 
+    def segment_groups(self) -> dict[int, list[int]] | None:
+        """:func:`segments_by_length` of ``bounds``, computed once: every layer of a block gets
+        the same parameters (a ViT micro-batch: ~200 windows, grouped again by each of 32 layers)."""
+        if self.bounds is None:
+            return None
+        cached = self.__dict__.get("_segment_groups")
+        if cached is None or cached[0] is not self.bounds:  # computed for these bounds only
+            cached = self.__dict__["_segment_groups"] = (self.bounds, segments_by_length(self.bounds))
+        return cached[1]
+
+
+def segments_by_length(bounds: Sequence[int]) -> dict[int, list[int]]:
+    """Segment length -> the start of every (non-empty) segment of that length, in order."""
+    groups: dict[int, list[int]] = {}
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            groups.setdefault(hi - lo, []).append(lo)
+    return groups
+
 
 def packed_seq_params(
     cu_seqlens: torch.Tensor, max_seqlen: int, bounds: Sequence[int] | None = None
@@ -47,3 +66,8 @@ def packed_seq_params(
 def host_bounds(params: PackedSeqParams | None) -> tuple[int, ...] | None:
     """The host copy of a pack's segment boundaries, when its parameters carry one."""
     return getattr(params, "bounds", None)
+
+
+def host_segment_groups(params: PackedSeqParams | None) -> dict[int, list[int]] | None:
+    """The pack's segments grouped by length (cached on its parameters), when they carry ``bounds``."""
+    return params.segment_groups() if isinstance(params, HostPackedSeqParams) else None

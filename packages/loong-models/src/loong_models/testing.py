@@ -63,8 +63,18 @@ def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch
     return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
 
 
-def qwen_vit_state(hf: dict[str, torch.Tensor], heads: int, depth: int) -> dict[str, torch.Tensor]:
-    """HF Qwen2_5_VisionTransformerPretrainedModel state -> {image_encoder, image_projector} states."""
+def _pad_rows(t: torch.Tensor, rows: int, dim: int = 0) -> torch.Tensor:
+    """``t`` with zeros appended along ``dim`` up to ``rows`` (the encoder's MLP padding)."""
+    shape = list(t.shape)
+    shape[dim] = rows - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def qwen_vit_state(
+    hf: dict[str, torch.Tensor], heads: int, depth: int, padded_ffn: int | None = None
+) -> dict[str, torch.Tensor]:
+    """HF Qwen2_5_VisionTransformerPretrainedModel state -> {image_encoder, image_projector} states
+    (the MLP zero-padded to ``padded_ffn`` units, ``ImageEncoderConfig.padded_ffn_hidden_size``)."""
     enc = {"patch_embed.proj.weight": hf["patch_embed.proj.weight"]}
     for i in range(depth):
         b, o = f"blocks.{i}.", f"decoder.layers.{i}."
@@ -74,8 +84,10 @@ def qwen_vit_state(hf: dict[str, torch.Tensor], heads: int, depth: int) -> dict[
             enc[o + f"self_attention.linear_qkv.{kind}"] = _qkv(*hf[b + f"attn.qkv.{kind}"].chunk(3), heads)
             enc[o + f"self_attention.linear_proj.{kind}"] = hf[b + f"attn.proj.{kind}"]
             gate, up = hf[b + f"mlp.gate_proj.{kind}"], hf[b + f"mlp.up_proj.{kind}"]
-            enc[o + f"mlp.linear_fc1.{kind}"] = torch.cat([gate, up])
-            enc[o + f"mlp.linear_fc2.{kind}"] = hf[b + f"mlp.down_proj.{kind}"]
+            width = padded_ffn or gate.shape[0]
+            enc[o + f"mlp.linear_fc1.{kind}"] = torch.cat([_pad_rows(gate, width), _pad_rows(up, width)])
+            down = hf[b + f"mlp.down_proj.{kind}"]
+            enc[o + f"mlp.linear_fc2.{kind}"] = _pad_rows(down, width, 1) if kind == "weight" else down
     proj = {"norm.weight": hf["merger.ln_q.weight"]}
     for kind in ("weight", "bias"):
         proj[f"mlp.linear_fc1.{kind}"] = hf[f"merger.mlp.0.{kind}"]

@@ -20,6 +20,13 @@ class LRSchedule(StrEnum):
     constant = "constant"
 
 
+class StateDtype(StrEnum):
+    """The dtype of Adam's two moments (optim.state_dtype)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 @dataclass
 class OptimConfig:
     lr: float = 3e-4
@@ -31,10 +38,33 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0
+    # megatron's precision-aware optimizer (CUDA, Transformer Engine's FusedAdam, the distributed
+    # optimizer): the fp32 master weights live inside FusedAdam (kept exactly, as the bf16 weight
+    # plus its 16 low bits) and its kernel writes the bf16 weights itself, so no separate
+    # master-to-model copy runs after the update
+    precision_aware: bool = False
+    # Adam's moments: bf16 halves their memory and the update's traffic (needs precision_aware);
+    # the master weights and gradients stay fp32
+    state_dtype: StateDtype = StateDtype.fp32
 
     def validate(self) -> None:
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        if self.state_dtype != StateDtype.fp32 and not self.precision_aware:
+            raise ValueError(f"optim.state_dtype={self.state_dtype} needs optim.precision_aware=true "
+                             "(megatron keeps Adam's moments in fp32 otherwise)")  # fmt: skip
+
+    def precision_aware_errors(self, distributed_optimizer: bool, device_type: str) -> list[str]:
+        """Why ``precision_aware`` cannot run with this layout / device (empty: it can, or it is off)."""
+        if not self.precision_aware:
+            return []
+        errors = []
+        if not distributed_optimizer:
+            errors.append("optim.precision_aware=true needs parallel.distributed_optimizer=true (megatron's rule)")
+        if device_type != "cuda":
+            errors.append(f"optim.precision_aware=true needs CUDA (Transformer Engine's FusedAdam); "
+                          f"the device is {device_type}")  # fmt: skip
+        return errors
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
 
@@ -53,6 +83,14 @@ def schedule_steps(lr: float, warmup_steps: int, total_steps: int) -> dict:
                 lr_decay_steps=max(total_steps, warmup + 1) - 1)  # fmt: skip
 
 
+def _precision_aware_fields(ocfg: OptimConfig) -> dict:
+    if not ocfg.precision_aware:
+        return {}
+    moments = {StateDtype.fp32: torch.float32, StateDtype.bf16: torch.bfloat16}[ocfg.state_dtype]
+    return dict(use_precision_aware_optimizer=True, main_params_dtype=torch.float32,
+                main_grads_dtype=torch.float32, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)  # fmt: skip
+
+
 def build_optimizer(
     ocfg: OptimConfig,
     pcfg: ParallelConfig,
@@ -61,9 +99,13 @@ def build_optimizer(
     dtype: torch.dtype,
     total_steps: int,
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
-    """AdamW with fp32 master weights for bf16/fp16 training; warmup then ``ocfg.schedule`` decay
+    """AdamW with fp32 master weights for bf16/fp16 training (with ``ocfg.precision_aware`` held
+    by TE's FusedAdam, the moments in ``ocfg.state_dtype``); warmup then ``ocfg.schedule`` decay
     to ``min_lr`` at ``total_steps`` (:func:`schedule_steps`)."""
     ocfg.validate()
+    device_type = next(p.device.type for c in chunks for p in c.parameters())
+    for error in ocfg.precision_aware_errors(pcfg.distributed_optimizer, device_type):
+        raise ValueError(error)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -79,6 +121,7 @@ def build_optimizer(
             params_dtype=dtype,
             use_distributed_optimizer=pcfg.distributed_optimizer,
             overlap_param_gather=pcfg.overlap_param_gather,
+            **_precision_aware_fields(ocfg),
         ),
         chunks,
     )

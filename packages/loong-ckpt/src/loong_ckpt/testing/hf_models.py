@@ -138,7 +138,7 @@ def make_hf_vlm(path: Path, *, tie: bool = False, seed: int = 0, max_shard_size:
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         ),
         vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+            depth=2, hidden_size=32, intermediate_size=40, num_heads=2, patch_size=14, spatial_merge_size=2,
             temporal_patch_size=2, window_size=56, out_hidden_size=64, fullatt_block_indexes=[1],
             tokens_per_second=2, **(vision or {}),
         ),

@@ -17,6 +17,7 @@ import torch
 
 from loong_data.bundled import default_robot_dataset, default_tokenizer
 from loong_data.lerobot import LeRobotDataset, Pi05BatchConfig, Pi05Batcher
+from loong_data.prefetch import pinned, prefetch
 from loong_data.sampler import DistributedBatchSampler
 from loong_data.step_data.config import DataConfig
 from loong_data.step_data.layout import DataError, StepCounts, StepLayout
@@ -50,10 +51,16 @@ class LeRobotStepData:
         return batch
 
     def train_steps(self, start_step: int = 0, balancer=None) -> Iterator[list[dict]]:
+        """This DP rank's micro-batches for each step from ``start_step``, prepared one step ahead
+        in a background thread (frames decoded and resized, prompts tokenised while the device
+        trains), in page-locked memory for a CUDA device."""
         if balancer is not None:
             raise DataError(
                 "parallel.balance does not apply to data.kind=lerobot (every sample costs the same)"
             )
+        return prefetch(pinned(self._steps(start_step), self.layout.device))
+
+    def _steps(self, start_step: int) -> Iterator[list[dict]]:
         lay = self.layout
         sampler = DistributedBatchSampler(len(self.train_frames), micro_batch_size=lay.micro_batch_size,
                                           num_microbatches=lay.num_microbatches, dp_rank=lay.dp_rank,

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from loong_models.host import to_device
+from loong_models.packed_seq import segments_by_length
 
 
 def segment_bounds(cu_seqlens: torch.Tensor) -> list[int]:
@@ -35,11 +36,13 @@ def packed_causal_attention(
     dropout_p: float = 0.0,
     causal: bool = True,
     bounds: Sequence[int] | None = None,
+    by_length: dict[int, list[int]] | None = None,
 ) -> torch.Tensor:
     """``query`` [t, heads, d], ``key``/``value`` [t, groups, d] (GQA when groups < heads) ->
     [t, heads * d]; token ``i`` of segment ``s`` attends to tokens ``<= i`` of segment ``s`` only
     (``causal``), or to all tokens of segment ``s`` (``causal=False``: images, windows of a ViT).
-    ``bounds``: the values of ``cu_seqlens`` on the host, if known (no device read then)."""
+    ``bounds``: the values of ``cu_seqlens`` on the host, if known (no device read then);
+    ``by_length``: ``segments_by_length(bounds)`` if already known (computed once per micro-batch)."""
     t, heads, d = query.shape
     bounds = list(bounds) if bounds is not None else segment_bounds(cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != t:
@@ -51,10 +54,7 @@ def packed_causal_attention(
     # Segments of equal length (a ViT's windows, the frames of equal-sized images) go through one
     # batched SDPA call: hundreds of windows per micro-batch would otherwise be hundreds of tiny
     # kernel launches per layer on a GPU.
-    by_length: dict[int, list[int]] = {}
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if hi > lo:
-            by_length.setdefault(hi - lo, []).append(lo)
+    by_length = by_length if by_length is not None else segments_by_length(bounds)
     for length, starts in by_length.items():
         if len(starts) == 1 or len(starts) * length == t:  # one segment, or all tile the pack in order
             rows = slice(starts[0], starts[0] + len(starts) * length)

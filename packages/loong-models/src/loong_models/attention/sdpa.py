@@ -31,7 +31,7 @@ from megatron.core.utils import divide
 
 from loong_models.attention.context_parallel import CP_COMM_TYPES, context_parallel_attention
 from loong_models.attention.packed import packed_causal_attention
-from loong_models.packed_seq import host_bounds
+from loong_models.packed_seq import host_bounds, host_segment_groups
 
 CP_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
 
@@ -180,6 +180,7 @@ class SDPAttention(MegatronModule):
             dropout_p=dropout_p,
             causal=mask_type == AttnMaskType.causal,
             bounds=host_bounds(packed_seq_params),
+            by_length=host_segment_groups(packed_seq_params),
         )
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():

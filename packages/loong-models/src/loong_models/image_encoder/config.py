@@ -33,6 +33,11 @@ class EncoderType:
     # how the learned position table is resized to another grid: "bicubic" (SigLIP, as HF's
     # interpolate_pos_encoding) or "bilinear_corners" (Qwen3-VL: bilinear, align_corners=True)
     position_interpolation: str = "bicubic"
+    # The MLP width Loong builds is ffn_hidden_size rounded up to a multiple of this (the
+    # config's pad_ffn_to overrides it): Qwen2.5-VL's 3420 is not a multiple of 8, so cuBLAS
+    # runs every ViT MLP GEMM on slow unaligned (align2) kernels. The padding is zero and stays
+    # zero (see ImageEncoderConfig.padded_ffn_hidden_size); checkpoints convert without it.
+    ffn_pad: int = 1
 
 
 ENCODER_TYPES: dict[str, EncoderType] = {
@@ -40,7 +45,7 @@ ENCODER_TYPES: dict[str, EncoderType] = {
     for t in (
         EncoderType("qwen2.5-vit", normalization=Norm.RMSNorm, gated_mlp=True, activation=Activation.silu,
                     patch_bias=False, rope_2d=True, learned_positions=False, windows=True, post_norm=False,
-                    hf_model_type="qwen2_5_vl"),
+                    hf_model_type="qwen2_5_vl", ffn_pad=64),
         EncoderType("siglip", normalization=Norm.LayerNorm, gated_mlp=False, activation=Activation.gelu_tanh,
                     patch_bias=True, rope_2d=False, learned_positions=True, windows=False, post_norm=True,
                     hf_model_type="siglip_vision_model"),
@@ -100,6 +105,9 @@ class ImageEncoderConfig:
     # tensor-parallel size must divide the foundation's; null = the foundation's.
     tensor_model_parallel_size: int | None = None
     freeze: bool = False
+    # Build the MLP this wide: ffn_hidden_size rounded up to a multiple of pad_ffn_to (null = the
+    # type's ffn_pad; 1 = no padding). Exact: see padded_ffn_hidden_size.
+    pad_ffn_to: int | None = None
     recompute: Recompute | None = None
     attention: EncoderAttention = EncoderAttention.sdpa  # core attention (see specs.vision_block_spec)
     extra: dict = field(default_factory=dict)  # passed to the encoder's TransformerConfig
@@ -107,6 +115,17 @@ class ImageEncoderConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_ffn_hidden_size(self) -> int:
+        """The MLP width the encoder is built with. The extra fc1 rows (gate and up, weights and
+        biases) and fc2 columns are zero, so the extra hidden units are act(0) * 0 = 0 (gated) or
+        act(0) = 0 (GELU / SiLU, non-gated) and add nothing to the output; their gradients are
+        products with those zeros, exactly 0, so Adam's moments, its update and weight decay
+        keep them 0. The architecture (HF's intermediate_size, FLOPs, num_parameters) is
+        ffn_hidden_size."""
+        pad = self.pad_ffn_to or get_encoder_type(self.type).ffn_pad
+        return -(-self.ffn_hidden_size // pad) * pad
 
     @property
     def patch_dim(self) -> int:
@@ -141,13 +160,16 @@ class ImageEncoderConfig:
             raise ValueError(
                 f"{prefix}.image_size={self.image_size} is smaller than patch_size={self.patch_size}"
             )
+        if self.pad_ffn_to is not None and self.pad_ffn_to < 1:
+            raise ValueError(f"{prefix}.pad_ffn_to={self.pad_ffn_to} must be >= 1 (1 = no padding) or null")
         if self.tensor_model_parallel_size is not None and self.tensor_model_parallel_size < 1:
             raise ValueError(
                 f"{prefix}.tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1"
             )
 
     def num_parameters(self) -> int:
-        """Exact parameter count of the encoder this config builds (projector not included)."""
+        """Exact parameter count of the encoder's architecture (projector not included; the zero
+        MLP padding of ``padded_ffn_hidden_size`` not counted, as the vocabulary's padding)."""
         t = get_encoder_type(self.type)
         h, f = self.hidden_size, self.ffn_hidden_size
         norm = h if t.normalization == "RMSNorm" else 2 * h

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -64,7 +65,7 @@ def build_encoder_transformer_config(
     fields = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.ffn_hidden_size,
+        ffn_hidden_size=cfg.padded_ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         normalization=t.normalization,
         layernorm_epsilon=cfg.norm_epsilon,
@@ -93,6 +94,32 @@ def _thd_fields(cu: torch.Tensor, longest: int, device: torch.device) -> dict[st
     on_device = to_device(cu, device)
     return dict(qkv_format="thd", cu_seqlens_q=on_device, cu_seqlens_kv=on_device, max_seqlen_q=longest,
                 max_seqlen_kv=longest, bounds=tuple(cu.tolist()))  # fmt: skip
+
+
+def _tp_rank(pg_collection: ProcessGroupCollection | None, config: TransformerConfig) -> int:
+    if config.tensor_model_parallel_size == 1:
+        return 0
+    group = (
+        pg_collection.tp if pg_collection is not None else parallel_state.get_tensor_model_parallel_group()
+    )
+    return torch.distributed.get_rank(group)
+
+
+@torch.no_grad()
+def zero_ffn_padding(decoder: TransformerBlock, cfg: ImageEncoderConfig, gated: bool, tp_rank: int) -> None:
+    """Zero the MLP units past ``cfg.ffn_hidden_size`` (see ``padded_ffn_hidden_size``): this
+    rank's fc1 rows (of the gate and of the up half) and fc2 columns that lie in the padding."""
+    real, padded = cfg.ffn_hidden_size, cfg.padded_ffn_hidden_size
+    if real == padded:
+        return
+    for layer in decoder.layers:
+        fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
+        per = fc2.weight.shape[1]  # this rank's share of the padded width
+        keep = min(per, max(0, real - tp_rank * per))
+        for p in (fc1.weight, getattr(fc1, "bias", None)):
+            if p is not None and p.numel():
+                p.view(2 if gated else 1, per, *p.shape[1:])[:, keep:].zero_()
+        fc2.weight[:, keep:].zero_()
 
 
 class PatchEmbed(torch.nn.Module):
@@ -158,6 +185,7 @@ class ImageEncoder(MegatronModule):
             config=config, spec=spec, post_layer_norm=t.post_norm, pre_process=True, post_process=True,
             pg_collection=pg_collection,
         )  # fmt: skip
+        zero_ffn_padding(self.decoder, cfg, t.gated_mlp, _tp_rank(pg_collection, config))
         if t.rope_2d:
             # half the head dim rotates with the row, half with the column (HF's axial 2-D RoPE)
             quarter = cfg.head_dim // 2

@@ -34,6 +34,25 @@ def attention_mask(pad: torch.Tensor, block_starts: torch.Tensor) -> torch.Tenso
     return (blocks[:, None, :] <= blocks[:, :, None]) & pad[:, None, :] & pad[:, :, None]
 
 
+def real_dims(losses: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
+    """``losses[..., dims]`` for a boolean ``dims`` mask. The batcher's masks are a prefix (the
+    real dims, then padding): with the mask on the host that is a slice, whereas indexing a device
+    tensor by a mask reads the selected positions back (a stream sync after the whole forward)."""
+    mask = dims.bool()
+    n = int(mask.sum())
+    if mask.device.type == "cpu" and bool(mask[:n].all()):
+        return losses[..., :n].contiguous()  # the values and layout of the masked copy
+    return losses[..., mask.to(losses.device)]
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to CUDA through page-locked memory, without blocking the host
+    (a copy from pageable memory synchronises the stream)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class Pi05Policy(nn.Module):
     def __init__(self, cfg: Pi05Config) -> None:
         super().__init__()
@@ -83,7 +102,10 @@ class Pi05Policy(nn.Module):
             embs.append(feats)
             pads.append(image_masks[:, cam : cam + 1].expand(-1, feats.shape[1]))
         tokens = self.embed_tokens(batch["tokens"])
-        embs.append(tokens * tokens.new_tensor(self.cfg.vlm.width**0.5))
+        # Gemma's normaliser rounded to the embeddings' dtype (as HF Gemma), applied as a Python
+        # scalar: a device tensor built from the host would be a blocking copy (a stream sync) in
+        # the middle of the forward
+        embs.append(tokens * torch.tensor(self.cfg.vlm.width**0.5, dtype=tokens.dtype).item())
         pads.append(batch["token_mask"].bool())
         return torch.cat(embs, dim=1), torch.cat(pads, dim=1)
 
@@ -100,8 +122,8 @@ class Pi05Policy(nn.Module):
         cond = self.time_condition(time)
         b, p, s = prefix.shape[0], prefix.shape[1], suffix.shape[1]
         pad = torch.cat([prefix_pad, prefix_pad.new_ones(b, s)], dim=1)
-        starts = torch.zeros_like(pad)
-        starts[:, p] = True  # the action block starts after the prefix
+        # the action block starts after the prefix (built on the device: no host-to-device copy)
+        starts = (torch.arange(p + s, device=pad.device) == p).expand(b, -1)
         mask, positions = attention_mask(pad, starts), torch.cumsum(pad, dim=1) - 1
         xs = [prefix, suffix.to(prefix.dtype)]
         for i, layer in enumerate(self.layers):  # the last layer's prefix output is never read
@@ -134,7 +156,7 @@ class Pi05Policy(nn.Module):
         gens = [torch.Generator().manual_seed(int(i)) for i in ids.tolist()]
         noise = torch.stack([torch.randn(shape, generator=g) for g in gens])
         time = torch.cat([sample_time(self.cfg, 1, g) for g in gens])
-        return noise.to(actions.device), time.to(actions.device)
+        return _to_device(noise, actions.device), _to_device(time, actions.device)
 
     def forward(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None,
                 reduction: str = "mean") -> torch.Tensor | tuple[torch.Tensor, int]:  # fmt: skip
@@ -143,7 +165,7 @@ class Pi05Policy(nn.Module):
         ``reduction="sum"`` the sum and the element count (data-parallel means weigh ranks by it)."""
         losses = self.flow_loss(batch, *self.draw_noise_and_time(batch, generator))
         dims = batch.get("action_dim_mask")
-        losses = losses if dims is None else losses[..., dims.bool()]
+        losses = losses if dims is None else real_dims(losses, dims)
         if reduction == "sum":
             return losses.sum(), losses.numel()
         return losses.mean()
