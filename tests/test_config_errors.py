@@ -158,3 +158,14 @@ def test_init_from_without_a_chosen_phase_or_rate_gets_the_fine_tuning_recipe():
         assert line is None and optim.lr == 3e-3 or phase == "sft", overrides
     _, finetune = recipe("phase=finetune", phase="finetune")
     assert finetune.lr == 1e-4  # the phase loong-convert's printed command names
+
+
+def test_wgrad_fusion_is_refused_by_name_on_a_model_without_linears_to_fuse():
+    """pi05 is plain torch layers; a language model (local layers on the CPU) takes the lever, and
+    auto (null) is valid everywhere."""
+    assert validate(to_config(compose_config("parallel.wgrad_fusion=true")), world_size=1) == 2
+    with initialize_config_module("loong_train.configs", version_base=None):
+        pi05 = lambda *o: to_config(compose("pi05", overrides=list(o)))  # noqa: E731
+        validate(pi05("parallel.wgrad_fusion=null"), world_size=1)
+        with pytest.raises(ConfigError, match=r"parallel.wgrad_fusion=true cannot combine with an embodied model"):
+            validate(pi05("parallel.wgrad_fusion=true"), world_size=1)

@@ -4,17 +4,20 @@ import torch
 from loong_xpu import MANIFEST, apply_patches, get_accelerator, redirect_cuda
 from loong_xpu.patches import _resolve
 
+# names megatron binds only where TE / apex import (layers.get_dummy_wgrad, fused_weight_gradient_mlp_cuda)
+BOUND_BY_TE_OR_APEX = {"get_dummy_wgrad", "fused_weight_gradient_mlp_cuda"}
+
 
 def test_every_patch_names_a_real_target_and_a_reason():
     assert len({p.target for p in MANIFEST}) == len(MANIFEST)
     for patch in MANIFEST:
         owner, attr = _resolve(patch.target)
-        assert hasattr(owner, attr), patch.target
+        assert hasattr(owner, attr) or attr in BOUND_BY_TE_OR_APEX, patch.target
         assert len(patch.reason) > 10
 
 
 def test_cuda_calls_land_on_the_cpu_and_everything_is_restored():
-    originals = {p.target: getattr(*_resolve(p.target)) for p in MANIFEST}
+    originals = {p.target: getattr(*_resolve(p.target), None) for p in MANIFEST}
     with redirect_cuda(get_accelerator("cpu")) as patches:
         assert len(patches.applied) == len(MANIFEST) + 1
         assert torch.cuda.current_device() == 0
@@ -36,7 +39,7 @@ def test_cuda_calls_land_on_the_cpu_and_everything_is_restored():
         torch.cuda.set_rng_state(state)
         assert torch.equal(torch.rand(4), x)
     for target, original in originals.items():
-        assert getattr(*_resolve(target)) is original, target
+        assert getattr(*_resolve(target), None) is original, target
     assert torch.ones(1).type() == "torch.FloatTensor"
 
 
@@ -53,9 +56,12 @@ def test_patching_twice_is_refused_and_leaves_nothing_half_done():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
-def test_cuda_backend_patches_nothing():
+def test_cuda_backend_patches_only_the_pieces_megatron_takes_from_apex():
     patches = apply_patches(get_accelerator("cuda"))
-    assert patches.applied == []
+    try:
+        assert patches.applied == ["megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda"]
+    finally:
+        patches.remove()
 
 
 def test_megatron_optimizer_kernels_are_host_ones_on_redirected_devices(monkeypatch):

@@ -374,8 +374,8 @@ def fusion_fields(backend: str) -> dict[str, bool]:
         bias_activation_fusion=on,
         bias_dropout_fusion=on,
         masked_softmax_fusion=False,  # unused: attention is TE's or SDPA
-        # megatron fuses wgrad accumulation in its own (non-TE) output layer only through apex,
-        # which Loong does not require; TE layers still accumulate into main_grad directly.
+        # megatron's flag refuses to build its own linears without apex: parallel.wgrad_fusion
+        # switches the built modules instead (loong_parallel.model.fuse_wgrad_accumulation).
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=on,
         **({"cross_entropy_fusion_impl": "te"} if on else {}),

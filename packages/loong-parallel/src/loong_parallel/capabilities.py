@@ -19,7 +19,6 @@ logger = logging.getLogger("loong_parallel")
 FEATURE_KEYS: tuple[tuple[str, Callable[[ModelConfig, ParallelConfig], bool], str], ...] = (
     ("model.layer_backend=te", lambda m, p: m.layer_backend == "te", "te"),
     ("model.attention_backend", lambda m, p: m.attention_backend != "auto", "te"),
-    ("parallel.wgrad_fusion=true", lambda m, p: p.wgrad_fusion, "te"),
     ("parallel.cuda_graphs", lambda m, p: p.cuda_graphs != "none", "cuda_graphs"),
     ("parallel.moe_a2a_overlap=true", lambda m, p: p.moe_a2a_overlap, "side_streams"),
     ("parallel.moe_shared_expert_overlap=true", lambda m, p: p.moe_shared_expert_overlap, "side_streams"),
@@ -27,7 +26,7 @@ FEATURE_KEYS: tuple[tuple[str, Callable[[ModelConfig, ParallelConfig], bool], st
 )
 
 # keys that tune TE layers: refused when model.layer_backend resolves to the local backend
-_NEED_TE_LAYERS = ("model.attention_backend", "parallel.wgrad_fusion=true", "parallel.cuda_graphs")
+_NEED_TE_LAYERS = ("model.attention_backend", "parallel.cuda_graphs")
 
 
 def require_features(model: ModelConfig, parallel: ParallelConfig, accel: Accelerator) -> None:

@@ -101,10 +101,12 @@ class ParallelConfig:
     # Fine-grained activation offloading: the inputs of these modules are kept in host memory
     # between forward and backward (CUDA); empty = off.
     offload_activations: list[OffloadModule] = field(default_factory=list)
-    # TE linears accumulate weight gradients straight into the fp32 main_grad (TE's fused wgrad
-    # accumulation: no separate add per micro-batch, no apex). megatron's own output layer keeps its
-    # unfused add: its fusion needs apex's fused_weight_gradient_mlp_cuda. Needs TE layers (CUDA).
-    wgrad_fusion: bool = False
+    # The weight-gradient GEMMs accumulate straight into DDP's fp32 main_grad: no bf16 weight
+    # gradient and no separate add per parameter and micro-batch. TE linears through TE's fused
+    # accumulation, megatron's own linears (the output layer) through loong_xpu's GEMMs in place of
+    # apex's. true | false | null (auto: on where Transformer Engine runs). true on a model without
+    # megatron / TE linears (pi05, Wan) is refused.
+    wgrad_fusion: bool | None = False
     # CUDA graphs of the transformer layers (none | local: megatron's per-layer graphs, whole layer).
     # Needs CUDA and TE layers (TE's graph-safe RNG tracker); static shapes: not with packed (THD)
     # data, MoE layers, ChunkPipe, activation offloading or full recompute (megatron's rules)

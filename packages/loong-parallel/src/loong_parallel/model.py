@@ -8,9 +8,13 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.tensor_parallel import layers as mlayers
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from loong_models.specs import te_installed
 from loong_parallel.config import ParallelConfig
+from loong_parallel.log import logger
 from loong_xpu import Accelerator
 
 # provider(pre_process, post_process, vp_stage) -> one pipeline stage of the model
@@ -38,9 +42,9 @@ def build_model_chunks(
         finish = getattr(unwrap(chunk), "finish_build", None)  # (the decoupled encoder layout)
         if finish is not None:
             finish()
-    if pcfg.wgrad_fusion:
+    if wgrad_fusion_on(pcfg, accel):
         for chunk in chunks:
-            fuse_wgrad_accumulation(chunk)
+            fuse_wgrad_accumulation(chunk, required=pcfg.wgrad_fusion is True)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=pcfg.grad_reduce_in_fp32,
         overlap_grad_reduce=pcfg.overlap_grad_reduce,
@@ -66,18 +70,41 @@ def build_model_chunks(
     return wrapped
 
 
-def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
-    """Switch the model's TE linears to accumulate wgrad into ``main_grad`` (parallel.wgrad_fusion).
-    TE reads the flag at each forward; megatron's config flag would also switch its own output
-    layer, which needs apex for it. Returns the number of modules switched."""
-    switched = 0
+def wgrad_fusion_on(pcfg: ParallelConfig, accel: Accelerator) -> bool:
+    """``parallel.wgrad_fusion``: true / false, or null (auto): on where TE runs (CUDA with
+    Transformer Engine installed), where the fused GEMM saves the separate fp32 add per
+    micro-batch; elsewhere the accumulation is torch's upcast addmm_, no faster than the add."""
+    if pcfg.wgrad_fusion is None:
+        return accel.supports("te") and te_installed()
+    return pcfg.wgrad_fusion
+
+
+def fuse_wgrad_accumulation(model: torch.nn.Module, required: bool = True) -> int:
+    """Switch the model's linears to accumulate their weight gradients straight into DDP's
+    ``main_grad`` (parallel.wgrad_fusion): TE's linears through TE's own fused accumulation,
+    megatron's own linears (the output layer; all of them on the local backend) through
+    ``gradient_accumulation_fusion`` with loong_xpu's GEMMs in place of apex's (the patch manifest).
+    The switch is per module, after the build and before DDP allocates ``main_grad`` (which a
+    switched linear needs in backward): megatron's config flag would refuse without apex, and a
+    model built outside :func:`build_model_chunks` (no DDP) keeps the plain path. A weight whose grad does
+    not go through a fused GEMM (an embedding, one tied to the output layer) keeps DDP's add.
+    Returns the number of modules switched; ``required``: none to switch is an error."""
+    te, local = 0, 0
     for module in model.modules():
         if hasattr(module, "fuse_wgrad_accumulation") and hasattr(module, "will_execute_quantized"):
             module.fuse_wgrad_accumulation = True
-            switched += 1
-    if not switched:
-        raise ValueError("parallel.wgrad_fusion=true but the model has no TE linears (model.layer_backend=te)")
-    return switched
+            te += 1
+        elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.gradient_accumulation_fusion = True
+            local += 1
+    if local and not hasattr(mlayers, "fused_weight_gradient_mlp_cuda"):
+        raise RuntimeError("parallel.wgrad_fusion: megatron's own linears need loong_xpu's wgrad GEMMs; "
+                           "build the model inside loong_xpu.redirect_cuda (it supplies them on every backend)")  # fmt: skip
+    logger.info("parallel.wgrad_fusion: %d TE and %d megatron linears accumulate wgrad into main_grad", te, local)
+    if required and not te + local:
+        raise ValueError("parallel.wgrad_fusion=true but the model has no megatron or TE linears to fuse; "
+                         "set parallel.wgrad_fusion=false (or null: auto)")  # fmt: skip
+    return te + local
 
 
 def _stages_in_order(pcfg: ParallelConfig, config: TransformerConfig) -> bool:
@@ -118,4 +145,3 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
-

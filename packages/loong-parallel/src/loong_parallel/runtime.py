@@ -72,3 +72,13 @@ def cuda_graph_conflicts(pcfg: ParallelConfig, model: Any, packing: str = "fixed
     }  # fmt: skip
     impl = pcfg.cuda_graphs
     return [f"parallel.cuda_graphs={impl} cannot combine with {key}" for key, bad in cannot.items() if bad]
+
+
+def wgrad_fusion_conflicts(pcfg: ParallelConfig, model: Any) -> list[str]:
+    """Why ``parallel.wgrad_fusion=true`` cannot hold for a ``model`` (loong_models.ModelConfig):
+    an embodied policy (pi05) is built of plain torch layers, with no megatron or TE linear whose
+    weight-gradient GEMM could accumulate into main_grad. (auto leaves it off there.)"""
+    if pcfg.wgrad_fusion is True and model.is_embodied:
+        return ["parallel.wgrad_fusion=true cannot combine with an embodied model (plain torch layers: no megatron "
+                "or TE linears to fuse); use false or null (auto)"]  # fmt: skip
+    return []

@@ -2,7 +2,7 @@
 
     from loong_xpu import get_accelerator, redirect_cuda
     accel = get_accelerator()          # LOONG_DEVICE=auto|cuda|cpu|<plugin>
-    with redirect_cuda(accel):         # no-op on CUDA; megatron-core runs unmodified elsewhere
+    with redirect_cuda(accel):         # on CUDA only apex stand-ins; megatron-core runs unmodified elsewhere
         ...
 """
 

@@ -6,7 +6,9 @@ streams in CUDA generators. On any other backend these calls are redirected to t
 accelerator, so megatron's own modules, optimizer and schedules run unmodified.
 
 Every patch is listed in :data:`MANIFEST` with the reason it exists. :func:`redirect_cuda`
-applies all of them and :meth:`PatchSet.remove` undoes them, restoring the originals.
+applies all of them and :meth:`PatchSet.remove` undoes them, restoring the originals. A few
+patches supply a piece megatron-core otherwise takes from apex (``on_cuda``): those also apply
+on CUDA, where nothing needs redirecting.
 """
 
 from __future__ import annotations
@@ -27,11 +29,19 @@ from loong_xpu.log import logger
 
 @dataclass(frozen=True)
 class Patch:
-    """``target`` (``module:attribute``) is replaced by ``make(accelerator)`` while active."""
+    """``target`` (``module:attribute``) is replaced by ``make(accelerator)`` while active; an
+    attribute the module lacks is added and deleted again. ``on_cuda``: applied on CUDA too."""
 
     target: str
     reason: str
     make: Callable[[Accelerator], object]
+    on_cuda: bool = False
+
+
+def _wgrad_kernels(accel: Accelerator) -> types.ModuleType:
+    from loong_xpu import wgrad
+
+    return wgrad
 
 
 def _is_cuda(device: object) -> bool:
@@ -132,6 +142,15 @@ def _recompute_context_of(accel: Accelerator):
             yield
 
     return _fork_rng
+
+
+def _dummy_wgrad_of(accel: Accelerator):
+    def get_dummy_wgrad(shape: list[int], dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        # the placeholder weight gradient a fused linear returns (its real one is in main_grad);
+        # zeros whatever ``zero`` says: DDP adds it to a tied weight's other gradient
+        return torch.zeros(shape, dtype=dtype, device=accel.device())
+
+    return get_dummy_wgrad
 
 
 MANIFEST: tuple[Patch, ...] = (
@@ -276,6 +295,28 @@ MANIFEST: tuple[Patch, ...] = (
         "megatron's memory reports read the CUDA allocator's peak",
         lambda a: lambda device=None: a.memory_stats().peak_allocated,
     ),
+    Patch(
+        "megatron.core.tensor_parallel.layers:get_dummy_wgrad",
+        "a linear with gradient_accumulation_fusion (parallel.wgrad_fusion) returns a placeholder wgrad "
+        "from TE's get_dummy_wgrad, which allocates on CUDA; megatron's fallback without TE allocates on "
+        "torch.cuda.current_device() during backward, where the device-argument rewrite is not active",
+        _dummy_wgrad_of,
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.layers:HAVE_TE",
+        "selects the get_dummy_wgrad path above whether TE is installed or not (otherwise it only "
+        "guards CPU activation offloading, a CUDA feature)",
+        lambda a: True,
+    ),
+    Patch(
+        "megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda",
+        "megatron's own linears (the output layer; every linear of the local backend) accumulate "
+        "wgrad into main_grad (gradient_accumulation_fusion, parallel.wgrad_fusion) only through "
+        "apex's fused_weight_gradient_mlp_cuda, bound at import where apex is installed: "
+        "loong_xpu.wgrad supplies its two functions (TE's GEMM on CUDA, torch's addmm_ elsewhere)",
+        _wgrad_kernels,
+        on_cuda=True,
+    ),
 )
 """Attribute patches. The device-argument rewrite (:class:`_DeviceRedirectMode`) is the one
 patch that is not an attribute: it is a TorchFunctionMode, entered by :func:`redirect_cuda`
@@ -302,8 +343,15 @@ class PatchSet:
         self.applied.clear()
 
 
+_ABSENT = object()  # the original of an attribute the module did not have
+
+
 def _restore(owner: object, attr: str, marker: str) -> None:
-    setattr(owner, attr, getattr(owner, marker))
+    original = getattr(owner, marker)
+    if original is _ABSENT:
+        delattr(owner, attr)
+    else:
+        setattr(owner, attr, original)
     delattr(owner, marker)
 
 
@@ -311,11 +359,10 @@ def apply_patches(accel: Accelerator) -> PatchSet:
     """Apply every patch in :data:`MANIFEST`, then ``accel.extra_patches()``, plus the
     device-argument rewrite for ``accel``.
 
-    Does nothing for backends that run CUDA natively (``needs_cuda_redirect`` False).
+    On backends that run CUDA natively (``needs_cuda_redirect`` False) applies only the
+    ``on_cuda`` patches.
     """
     patches = PatchSet(accel, [], [])
-    if not accel.needs_cuda_redirect:
-        return patches
     try:
         _apply_all(accel, patches)
     except BaseException:
@@ -327,7 +374,10 @@ def apply_patches(accel: Accelerator) -> PatchSet:
 
 def _apply_all(accel: Accelerator, patches: PatchSet) -> None:
     undo, applied = patches._undo, patches.applied
+    redirect = accel.needs_cuda_redirect
     for patch in (*MANIFEST, *accel.extra_patches()):  # the backend's own entries come last
+        if not (redirect or patch.on_cuda):
+            continue
         try:
             owner, attr = _resolve(patch.target)
         except ImportError:
@@ -336,8 +386,10 @@ def _apply_all(accel: Accelerator, patches: PatchSet) -> None:
             raise
         marker = f"_loong_original_{attr}"  # holds the original; its presence means "patched"
         if hasattr(owner, marker):
+            if patch.on_cuda:  # an enclosing PatchSet supplies it (e.g. a host template built
+                continue  # during a CUDA run): the same replacement on every backend
             raise RuntimeError(f"{patch.target} is already patched: remove the other PatchSet first")
-        original = getattr(owner, attr)
+        original = getattr(owner, attr, _ABSENT)
         replacement = patch.make(accel)
         if isinstance(replacement, types.FunctionType) and replacement.__module__ == __name__:
             # only our own closures take the original's name and doc; never mutate megatron's functions
@@ -346,6 +398,8 @@ def _apply_all(accel: Accelerator, patches: PatchSet) -> None:
         setattr(owner, attr, replacement)
         undo.append(functools.partial(_restore, owner, attr, marker))
         applied.append(patch.target)
+    if not redirect:
+        return
     mode = _DeviceRedirectMode(accel)
     mode.__enter__()
     undo.insert(0, lambda: mode.__exit__(None, None, None))  # undone last, after the attributes
