@@ -38,6 +38,8 @@ def test_valid_layout_passes():
     "ocfg, message",
     [
         (OptimConfig(min_lr=1.0), "must be in"),
+        (OptimConfig(warmup_steps=-1), r"optim.warmup_steps=-1 must be >= 0"),
+        (OptimConfig(state_dtype="bf16"), r"optim.state_dtype=bf16 needs optim.precision_aware=true"),
     ],
 )
 def test_bad_optimizer_settings(ocfg, message):

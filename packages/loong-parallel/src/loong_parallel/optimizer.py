@@ -50,6 +50,8 @@ class OptimConfig:
     def validate(self) -> None:
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         if self.state_dtype != StateDtype.fp32 and not self.precision_aware:
             raise ValueError(f"optim.state_dtype={self.state_dtype} needs optim.precision_aware=true "
                              "(megatron keeps Adam's moments in fp32 otherwise)")  # fmt: skip
@@ -65,8 +67,6 @@ class OptimConfig:
             errors.append(f"optim.precision_aware=true needs CUDA (Transformer Engine's FusedAdam); "
                           f"the device is {device_type}")  # fmt: skip
         return errors
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
 
 
 def schedule_steps(lr: float, warmup_steps: int, total_steps: int) -> dict:
