@@ -124,7 +124,7 @@ class Autotuner:
 
 
 class _ReferenceFailed(Exception):
-    pass
+    """The reference implementation itself failed, so no candidate can be checked against it."""
 
 
 def _why(e: Exception) -> str:
