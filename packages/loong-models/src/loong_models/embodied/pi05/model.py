@@ -25,6 +25,7 @@ from loong_models.embodied.pi05.flow import (
 )
 from loong_models.embodied.pi05.layers import AdaRMSNorm, GemmaRMSNorm, JointLayer
 from loong_models.embodied.pi05.siglip import SiglipTower
+from loong_models.host import to_device
 
 
 def attention_mask(pad: torch.Tensor, block_starts: torch.Tensor) -> torch.Tensor:
@@ -43,14 +44,6 @@ def real_dims(losses: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
     if mask.device.type == "cpu" and bool(mask[:n].all()):
         return losses[..., :n].contiguous()  # the values and layout of the masked copy
     return losses[..., mask.to(losses.device)]
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; to CUDA through page-locked memory, without blocking the host
-    (a copy from pageable memory synchronises the stream)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class Pi05Policy(nn.Module):
@@ -156,7 +149,7 @@ class Pi05Policy(nn.Module):
         gens = [torch.Generator().manual_seed(int(i)) for i in ids.tolist()]
         noise = torch.stack([torch.randn(shape, generator=g) for g in gens])
         time = torch.cat([sample_time(self.cfg, 1, g) for g in gens])
-        return _to_device(noise, actions.device), _to_device(time, actions.device)
+        return to_device(noise, actions.device), to_device(time, actions.device)
 
     def forward(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None,
                 reduction: str = "mean") -> torch.Tensor | tuple[torch.Tensor, int]:  # fmt: skip
