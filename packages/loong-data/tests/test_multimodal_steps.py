@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from loong_data.step_data import DataConfig, MultimodalDataConfig, PatchGeometry, StepLayout, build_step_data
+from loong_data.step_data.layout import DataError
 
 SEQ = 1024
 
 
-def steps(tmp_path, **layout):
+def steps(tmp_path, prefetch="thread", **layout):
     cfg = DataConfig(kind="multimodal", packing="thd", seq_length=SEQ, cache_dir=str(tmp_path / "cache"),
-                     multimodal=MultimodalDataConfig(max_pixels=112 * 112, video_max_pixels=56 * 56))  # fmt: skip
+                     multimodal=MultimodalDataConfig(max_pixels=112 * 112, video_max_pixels=56 * 56, prefetch=prefetch))  # fmt: skip
     lay = StepLayout(micro_batch_size=1, global_batch_size=8, num_microbatches=1, eval_iters=1, seed=0, **layout)
     data = build_step_data(cfg, lay, patches=PatchGeometry(patch_size=14, temporal_patch_size=2, merge_size=2))
     it = data.train_steps()
@@ -32,6 +33,29 @@ def test_packs_are_padded_to_the_layouts_multiple_not_to_seq_length(tmp_path, mu
         assert torch.equal(a["cu_seqlens"][:-1], b["cu_seqlens"][: len(a["cu_seqlens"]) - 1])
         for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
             assert torch.equal(a[key], b[key]), key
+
+
+def test_steps_prefetched_in_a_child_process_equal_the_threads_steps(tmp_path):
+    """data.multimodal.prefetch=process: the same micro-batches, tensor for tensor, in the same order."""
+    ref, child = steps(tmp_path), steps(tmp_path, prefetch="process")
+    assert len(ref) == len(child)
+    for a, b in zip(ref, child):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            assert torch.equal(value, b[key]) if isinstance(value, torch.Tensor) else value == b[key], key
+
+
+def test_child_process_prefetch_refuses_a_balancer(tmp_path):
+    cfg = DataConfig(kind="multimodal", packing="thd", seq_length=SEQ, cache_dir=str(tmp_path / "cache"),
+                     multimodal=MultimodalDataConfig(max_pixels=112 * 112, prefetch="process"))  # fmt: skip
+    lay = StepLayout(micro_batch_size=1, global_batch_size=8, num_microbatches=1, eval_iters=1, seed=0)
+    data = build_step_data(cfg, lay, patches=PatchGeometry(patch_size=14, temporal_patch_size=2, merge_size=2))
+    with pytest.raises(DataError, match="prefetch=process"):
+        data.train_steps(balancer=object())
+
+
+def test_an_unknown_prefetch_mode_is_a_config_error():
+    assert any("data.multimodal.prefetch='fork'" in e for e in MultimodalDataConfig(prefetch="fork").errors())
 
 
 def test_a_cpu_layout_leaves_the_steps_in_pageable_memory(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -60,3 +60,31 @@ def pinned(steps: Iterator[list[dict]], device: torch.device | None) -> Iterator
         return
     for microbatches in steps:
         yield [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in microbatches]
+
+
+class _Produced(torch.utils.data.IterableDataset):
+    """The items of ``make()``, iterated in a DataLoader worker process."""
+
+    def __init__(self, make: Callable[[], Iterator]) -> None:
+        self.make = make
+
+    def __iter__(self) -> Iterator:
+        return self.make()
+
+
+def prefetch_process[T](make: Callable[[], Iterator[T]], depth: int = 2, pin: bool = False) -> Iterator[T]:
+    """The items of ``make()`` in order, produced up to ``depth`` ahead by one forked child process
+    (a torch DataLoader worker): its Python work (decoding, collating) never holds this process's
+    GIL, which a host-bound training loop needs to launch kernels. Tensors arrive through shared
+    memory; ``pin``: staged in page-locked memory by the DataLoader's pinning thread here (the
+    child must not touch CUDA). ``make`` runs in the child: its items must not depend on this
+    process's state after the fork. Producer errors are raised here, at their item. The child
+    runs torch with one thread (DataLoader's rule: OpenMP's pool does not survive a fork)."""
+    if depth < 1:
+        raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+    loader = torch.utils.data.DataLoader(
+        _Produced(make), batch_size=None, num_workers=1, prefetch_factor=depth, pin_memory=pin,
+        multiprocessing_context="fork",
+    )  # fmt: skip
+    return iter(loader)
+

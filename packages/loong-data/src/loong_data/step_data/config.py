@@ -44,6 +44,9 @@ class ThdConfig:
         return errors
 
 
+PREFETCH_MODES = ("thread", "process")
+
+
 @dataclass
 class MultimodalDataConfig:
     # A folder of WebDataset .tar shards (`loong-data convert-to-webdataset` writes them) ...
@@ -62,9 +65,15 @@ class MultimodalDataConfig:
     video_min_pixels: int = 56 * 56  # the same bounds for each video frame
     video_max_pixels: int = 448 * 448
     shuffle_buffer: int = 64  # samples shuffled together while streaming (0: stream order)
+    # Where the next steps are decoded and packed while this one trains: "thread" (a thread of the
+    # training process) or "process" (a forked child process: its Python work never takes the
+    # training loop's GIL; not with parallel.balance, whose plans change between steps).
+    prefetch: str = "thread"
 
     def errors(self) -> list[str]:
         errors = []
+        if self.prefetch not in PREFETCH_MODES:
+            errors.append(f"data.multimodal.prefetch={self.prefetch!r}: expected one of {', '.join(PREFETCH_MODES)}")
         if self.shards and self.jsonl:
             errors.append("data.multimodal.shards and data.multimodal.jsonl are exclusive: give shards or JSONL files")
         if self.samples_per_shard < 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from loong_data.multimodal.pipeline import (
 from loong_data.multimodal.processor import VisionProcessorConfig
 from loong_data.packed_collate import padded_length
 from loong_data.packing import packing_strategy
-from loong_data.prefetch import pinned, prefetch
+from loong_data.prefetch import pinned, prefetch, prefetch_process
 from loong_data.step_data.config import DataConfig
 from loong_data.step_data.layout import DataError, StepCounts, StepLayout, batch_digest
 from loong_data.step_data.shards import convert_sources
@@ -57,6 +58,7 @@ class MultimodalStepData:
     layout: StepLayout
     shuffle_buffer: int
     strategy: str
+    prefetch: str = "thread"  # data.multimodal.prefetch
     _eval: list[dict] | None = field(default=None, repr=False)
 
     def _dataset(self, shards: list[Path], shuffle_buffer: int) -> PackedMultimodalDataset:
@@ -78,8 +80,14 @@ class MultimodalStepData:
         """For each step from ``start_step``: this DP rank's packed micro-batches: its slice of the
         global batch, or the balancer's choice (``balancer.select(samples)``, the same plan on
         every rank; loong_parallel's SelectBalancer). Prepared one step ahead in a background
-        thread, unless a refitting balancer plans the steps (its cost changes between steps), in
-        page-locked memory for a CUDA device."""
+        thread (``prefetch="process"``: a child process), unless a refitting balancer plans the steps
+        (its cost changes between steps), in page-locked memory for a CUDA device."""
+        if self.prefetch == "process":
+            if balancer is not None:
+                raise DataError("data.multimodal.prefetch=process plans the steps in a child process: it cannot "
+                                "take parallel.balance's plans; use data.multimodal.prefetch=thread")  # fmt: skip
+            cuda = self.layout.device is not None and torch.device(self.layout.device).type == "cuda"
+            return prefetch_process(partial(self._steps, start_step, None), pin=cuda)
         steps = pinned(self._steps(start_step, balancer), self.layout.device)
         return steps if getattr(balancer, "refit", None) is not None else prefetch(steps)
 
@@ -185,4 +193,4 @@ def load_multimodal_data(cfg: DataConfig, layout: StepLayout, patches: PatchGeom
         video_min_pixels=mm.video_min_pixels, video_max_pixels=mm.video_max_pixels,
     )  # fmt: skip
     return MultimodalStepData(tokenizer, processor, shards[: -mm.val_shards], shards[-mm.val_shards :],
-                              cfg.seq_length, layout, mm.shuffle_buffer, cfg.thd.strategy)  # fmt: skip
+                              cfg.seq_length, layout, mm.shuffle_buffer, cfg.thd.strategy, mm.prefetch)  # fmt: skip
