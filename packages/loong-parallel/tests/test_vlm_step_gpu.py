@@ -1,0 +1,66 @@
+"""GPU: a packed VLM micro-batch's forward step (ViT window and full attention, patch merger,
+embedding scatter, multimodal RoPE, TE layers, the loss) and its backward queue their kernels
+without a stream sync. A sync (a read-back such as ``.item()`` or ``nonzero`` of a device tensor,
+a blocking copy) stops the host, which launches this host-bound step's kernels, until the device
+has drained its queue.
+
+Run on a CUDA machine with TE: ``pytest -m gpu packages/loong-parallel/tests/test_vlm_step_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loong_models import load_model_config
+from loong_models.specs import te_installed
+from loong_models.testing import packed_batch
+from loong_parallel import LanguageModel, ParallelConfig, build_model_chunks
+from loong_xpu import get_accelerator
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not te_installed(), reason="needs transformer-engine"),
+]
+
+
+def step_batch() -> dict:
+    """:func:`packed_batch` as the multimodal data path hands it to the forward step: host
+    tensors in page-locked memory, segment boundaries on the host."""
+    b = packed_batch()
+    tokens = b["input_ids"]
+    params = b["packed_seq_params"]
+    batch = dict(tokens=tokens, labels=b["labels"], loss_mask=torch.ones(tokens.shape),
+                 position_ids=torch.arange(tokens.shape[1])[None], cu_seqlens=params.cu_seqlens_q,
+                 pixel_values=b["pixel_values"], image_grid_thw=b["image_grid_thw"],
+                 pixel_values_videos=b["pixel_values_videos"], video_grid_thw=b["video_grid_thw"])  # fmt: skip
+    batch = {k: v.pin_memory() for k, v in batch.items()}
+    batch["max_seqlen"] = params.max_seqlen_q
+    return batch
+
+
+def test_the_vlm_step_queues_forward_and_backward_without_a_stream_sync(megatron_cuda):
+    cfg = load_model_config("tiny-vlm", ["foundation.num_layers=2"])
+    kind, pcfg = LanguageModel.from_config(cfg, "cuda"), ParallelConfig()
+    assert kind.backend == "te"
+    config = kind.transformer_config(pcfg, dtype=torch.bfloat16, device_type="cuda")
+    torch.manual_seed(0)
+    (chunk,) = build_model_chunks(kind.provider(config, pcfg, device_type="cuda"), pcfg, config,
+                                  get_accelerator("cuda"))  # fmt: skip
+    step, batch = kind.forward_step(torch.device("cuda")), step_batch()
+
+    def forward_backward() -> None:
+        out, loss_func = step(iter([batch]), chunk)
+        loss, count, _ = loss_func(out)
+        (loss / count).backward()
+
+    forward_backward()  # warm-up: allocator, kernels, TE's workspaces, the pinned pool
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward_backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    encoder = chunk.module.image_encoder
+    assert encoder.patch_embed.proj.weight.main_grad.abs().sum() > 0  # the ViT's backward ran
