@@ -55,5 +55,17 @@ def real_tokens(mb: dict, pad_id: int) -> int:
     return n
 
 
+def flops_per_token(counts: list[dict]) -> float:
+    """Training FLOPs per LLM token over steps of :func:`step_counts` (as dicts: ``flops``, ``tokens``)."""
+    return sum(c["flops"] for c in counts) / sum(c["tokens"] for c in counts)
+
+
+def text_only_ceiling(mix: list[dict], text: list[dict]) -> float:
+    """The highest LLM-token throughput ratio (vision mix / text-only) reachable at equal MFU: a
+    step's time is its FLOPs / (MFU x peak), so at equal MFU tokens/s go as 1 / FLOPs per token,
+    and each image token of the mix also pays the ViT over its patches (merge**2 per token)."""
+    return flops_per_token(text) / flops_per_token(mix)
+
+
 def mfu(flops_per_step: float, step_time_s: float, peak: float = PEAK_BF16) -> float:
     return flops_per_step / step_time_s / peak

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_app import run_train_app  # noqa: E402
-from vlm_flops import PEAK_BF16, step_counts  # noqa: E402
+from vlm_flops import PEAK_BF16, step_counts, text_only_ceiling  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -341,6 +341,47 @@ def run_loong(args, overrides: list[str], out: Path) -> tuple[list[float], float
     return [r["step_time_s"] for r in train], max(r["peak_mem_gib"] for r in train), counts
 
 
+def parse_variants(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """``label=ov1,ov2`` -> (label, [ov1, ov2]); ``label=`` is the run with no extra overrides."""
+    variants = []
+    for spec in specs:
+        label, sep, extra = spec.partition("=")
+        if not sep or not label:
+            raise SystemExit(f"--variants {spec!r}: expected label=override,override (or label= for none)")
+        variants.append((label, [o for o in extra.split(",") if o]))
+    return variants
+
+
+def loong_rows(args, overrides: list[str], work: Path) -> list[Row]:
+    """One Loong run per variant (on top of --loong-extra), the variants alternated ``--repeats``
+    times (A B A B: step times drift between runs of one config, so a lever is read off
+    alternated runs, not off one run each). Rows are named ``loong <label> #<repeat>``."""
+    rows = []
+    for repeat in range(1, args.repeats + 1):
+        for label, extra in parse_variants(args.variants):
+            run = argparse.Namespace(**{**vars(args), "loong_extra": [*args.loong_extra, *extra]})
+            times, peak, counts = run_loong(run, overrides, work / f"loong-{label}-{repeat}")
+            rows.append(Row(f"loong {label} #{repeat}", times, peak, counts))
+    return rows
+
+
+def variant_summary(rows: list[Row], warmup: int) -> list[str]:
+    """Per variant: its runs' median step times, and their mean relative to the first variant's."""
+    by_label: dict[str, list[float]] = {}
+    for r in rows:
+        if r.name.startswith("loong "):
+            label = r.name.split()[1]
+            by_label.setdefault(label, []).append(statistics.median(r.step_times[warmup:]))
+    if len(by_label) < 2 and all(len(v) < 2 for v in by_label.values()):
+        return []
+    base = statistics.mean(next(iter(by_label.values())))
+    lines = ["", "variant: median step s of each run -> mean (first variant's mean / this one's: speed-up)"]
+    for label, medians in by_label.items():
+        mean = statistics.mean(medians)
+        lines.append(f"  {label:<12} {' '.join(f'{m:.3f}' for m in medians)} -> {mean:.3f} s  ({base / mean:.3f}x)")
+    return lines
+
+
 def run_loong_text_only(args, work: Path) -> dict:
     """The same LLM on text-only packs of the same length (each image of the bench's samples
     replaced by as many text tokens; encoder and projector frozen and never run): its tokens/s
@@ -348,8 +389,9 @@ def run_loong_text_only(args, work: Path) -> dict:
     jsonl = write_bench_data(work / "data", image_size=args.image_size, images_per_sample=args.images_per_sample,
                              num_samples=args.num_samples, text_only=True)  # fmt: skip
     frozen = ["++model.image_encoder.freeze=true", "++model.image_projector.freeze=true"]
+    overrides = [*train_overrides(args, jsonl, work), *frozen]
     cmd = [
-        sys.executable, "-m", "loong_train", "--config-name=vlm", *train_overrides(args, jsonl, work), *frozen,
+        sys.executable, "-m", "loong_train", "--config-name=vlm", *overrides,
         f"train.steps={args.steps}", "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false",
         "train.progress=false", f"train.output_dir={work / 'run'}", "optim.lr=3e-4", "optim.min_lr=3e-5",
         f"optim.warmup_steps={args.warmup}", *args.loong_extra,
@@ -361,7 +403,8 @@ def run_loong_text_only(args, work: Path) -> dict:
     t = sum(r["step_time_s"] for r in rows)
     return {"tokens_per_s": sum(r["step_tokens"] for r in rows) / t, "mfu": statistics.mean(r.get("mfu", math.nan) for r in rows),
             "tokens_per_step": statistics.mean(r["step_tokens"] for r in rows),
-            "peak_gib": max(r["peak_mem_gib"] for r in rows)}  # fmt: skip
+            "peak_gib": max(r["peak_mem_gib"] for r in rows),
+            "counts": data_counts(compose(overrides), args.steps)[args.warmup :]}  # the text packs' FLOPs  # fmt: skip
 
 
 def hf_worker(args) -> None:
@@ -527,6 +570,9 @@ def main() -> None:
                    help="also run Loong on text-only packs of the same length (the same LLM, no images): "
                         "LLM tokens/s of the vision-heavy mix / text-only (issue target >= 0.85)")
     p.add_argument("--loong-extra", nargs="*", default=[], help="extra overrides for the Loong run")
+    p.add_argument("--variants", nargs="*", default=["base="],
+                   help="label=override,override ...: one Loong run per variant (on top of --loong-extra)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each variant, alternated (A B A B)")
     p.add_argument("--worker", choices=["hf"], help=argparse.SUPPRESS)
     p.add_argument("--hf-mode", default="amp", help=argparse.SUPPRESS)
     p.add_argument("--overrides", help=argparse.SUPPRESS)
@@ -543,8 +589,7 @@ def main() -> None:
         overrides = train_overrides(args, jsonl, work)
         rows = []
         if not args.skip_loong:  # first: it converts the data into the shared cache
-            times, peak, loong_counts = run_loong(args, overrides, work / "loong")
-            rows.append(Row("loong " + " ".join(args.loong_extra), times, peak, loong_counts))
+            rows = loong_rows(args, overrides, work)
         hf = {}
         for mode in args.hf_modes:
             hf = run_hf(args, mode, overrides)
@@ -572,16 +617,34 @@ def main() -> None:
           f"ViT patches; vision share of the FLOPs {sum(c['vision_flops'] for c in kept) / sum(c['flops'] for c in kept):.1%}; "
           f"{args.steps - args.warmup} steps after {args.warmup} warm-up")  # fmt: skip
     print("\n".join(table(rows, counts, args.warmup)))
-    if len(rows) > 1 and not args.skip_loong:
-        loong_t, hf_t = sum(rows[0].step_times[args.warmup :]), sum(rows[1].step_times[args.warmup :])
-        print(f"\nloong / {rows[1].name}: {hf_t / loong_t:.3f}x tokens/s")
+    if not args.skip_loong:
+        print("\n".join(variant_summary(rows, args.warmup)))
+    hf_rows = [r for r in rows if r.name.startswith("hf ")]
+    for r in (rows if hf_rows and not args.skip_loong else []):
+        if not r.name.startswith("hf "):
+            loong_t, hf_t = sum(r.step_times[args.warmup :]), sum(hf_rows[0].step_times[args.warmup :])
+            print(f"{r.name} / {hf_rows[0].name}: {hf_t / loong_t:.3f}x tokens/s")
     if text is not None:
         print(f"\nloong text-only (same LLM, text packs of seq {args.seq}, {text['tokens_per_step']:,.0f} tokens/step): "
               f"{text['tokens_per_s']:,.0f} tokens/s, MFU {text['mfu']:.3f}, peak {text['peak_gib']:.1f} GiB")
         if not args.skip_loong:
-            mm = rows[0]
+            mm = rows[0]  # the first variant's first run
             vlm = sum(c["tokens"] for c in mm.counts[args.warmup :]) / sum(mm.step_times[args.warmup :])
-            print(f"LLM tokens/s, vision-heavy mix / text-only: {vlm / text['tokens_per_s']:.3f}x (target >= 0.85)")
+            ratio = vlm / text["tokens_per_s"]
+            print(f"LLM tokens/s, vision-heavy mix / text-only: {ratio:.3f}x (target >= 0.85)")
+            print(ceiling_line(ratio, text_only_ceiling(kept, text["counts"])))
+    elif not args.skip_loong:
+        share = sum(c["vision_flops"] for c in kept) / sum(c["flops"] for c in kept)
+        print(f"\nceiling of the text-only ratio at equal MFU ~ the LLM's share of the mix's FLOPs: {1 - share:.3f}x "
+              f"(--text-only measures it on text packs)")
+
+
+def ceiling_line(ratio: float, ceiling: float) -> str:
+    """How far the measured ratio is from the one reachable at equal MFU (both stacks' FLOPs by
+    vlm_flops: the mix's image tokens also pay the ViT over their patches)."""
+    return (f"ceiling at equal MFU (text-only FLOPs per token / vision-mix FLOPs per token): {ceiling:.3f}x; "
+            f"measured {ratio:.3f}x = {ratio / ceiling:.1%} of it (the ratio of the two runs' MFUs); "
+            f"0.85x would need the mix at {0.85 / ceiling:.2f}x the text-only MFU")
 
 
 if __name__ == "__main__":

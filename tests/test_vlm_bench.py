@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from vlm_flops import real_tokens, step_counts  # noqa: E402
+from vlm_flops import real_tokens, step_counts, text_only_ceiling  # noqa: E402
 from vlm_throughput import bench_shape, hf_batch, hf_config, hf_inputs, unpack  # noqa: E402
 
 from loong_models import load_model_config
@@ -87,6 +87,20 @@ def test_step_counts_exclude_padding_and_use_the_models_flop_count():
     assert counts.token_pairs == 2 * 7 * 7  # attention over the real sample, not the 9-token pack
     assert counts.flops == MODEL.training_flops(MODEL.work([7, 7], [(1, 2, 4), (1, 2, 4)]))
     assert counts.vision_flops == pytest.approx(counts.flops - MODEL.training_flops(MODEL.work([7, 7])))
+
+
+def test_the_text_only_ceiling_is_the_ratio_of_flops_per_token():
+    """At equal MFU the mix's LLM tokens/s over the text-only tokens/s is the inverse ratio of
+    their FLOPs per token: an image token also pays the ViT over its merge**2 patches."""
+    mb = _packed()
+    with_images = asdict(step_counts([mb, mb], MODEL, pad_id=0))
+    text = {**mb, "pixel_values": torch.zeros(0, TINY.vision.patch_dim), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long)}
+    text_only = asdict(step_counts([text, text], MODEL, pad_id=0))
+    assert text_only["vision_flops"] == 0 and text_only["tokens"] == with_images["tokens"]
+    ceiling = text_only_ceiling([with_images], [text_only])
+    assert ceiling == pytest.approx(1 - with_images["vision_flops"] / with_images["flops"])
+    assert 0 < ceiling < 1
+    assert text_only_ceiling([text_only], [text_only]) == 1.0
 
 
 def test_the_bench_refuses_runs_that_saw_different_data():

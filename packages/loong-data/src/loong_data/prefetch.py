@@ -59,7 +59,10 @@ def pinned(steps: Iterator[list[dict]], device: torch.device | None) -> Iterator
         yield from steps
         return
     for microbatches in steps:
-        yield [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in microbatches]
+        yield [
+            {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+            for mb in microbatches
+        ]
 
 
 class _Produced(torch.utils.data.IterableDataset):
@@ -87,4 +90,3 @@ def prefetch_process[T](make: Callable[[], Iterator[T]], depth: int = 2, pin: bo
         multiprocessing_context="fork",
     )  # fmt: skip
     return iter(loader)
-
