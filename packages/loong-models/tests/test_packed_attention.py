@@ -19,8 +19,12 @@ def _block_causal_reference(q, k, v, lengths, scale):
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.arange(t)
     allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
-    out = F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in (q, k, v)), attn_mask=allowed, scale=scale,
-                                         enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(
+        *(x.transpose(0, 1) for x in (q, k, v)),
+        attn_mask=allowed,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
     return out.transpose(0, 1).reshape(t, -1)
 
 
@@ -32,7 +36,9 @@ def test_packed_attention_equals_block_diagonal_causal_mask(groups: int) -> None
     k, v = torch.randn(2, t, groups, 16, dtype=torch.float64)
     cu = torch.tensor([0, 5, 16, 19, 27], dtype=torch.int32)
     out = packed_causal_attention(q, k, v, cu, scale=0.25)
-    torch.testing.assert_close(out, _block_causal_reference(q, k, v, DOC_LENGTHS, 0.25), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        out, _block_causal_reference(q, k, v, DOC_LENGTHS, 0.25), rtol=1e-12, atol=1e-12
+    )
     # Changing a later document never changes an earlier one's output.
     k2 = k.clone()
     k2[5:] += 1.0
@@ -41,11 +47,20 @@ def test_packed_attention_equals_block_diagonal_causal_mask(groups: int) -> None
 
 @pytest.fixture(scope="module")
 def tiny_model(megatron_cpu):
-    cfg = load_model_config("tiny", ["foundation.num_layers=2", "foundation.hidden_size=64",
-                                     "foundation.ffn_hidden_size=128", "foundation.kv_channels=16",
-                                     "foundation.num_query_groups=2", "layer_backend=local"])
-    tconfig = build_transformer_config(cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True,
-                                       calculate_per_token_loss=True)
+    cfg = load_model_config(
+        "tiny",
+        [
+            "foundation.num_layers=2",
+            "foundation.hidden_size=64",
+            "foundation.ffn_hidden_size=128",
+            "foundation.kv_channels=16",
+            "foundation.num_query_groups=2",
+            "layer_backend=local",
+        ],
+    )
+    tconfig = build_transformer_config(
+        cfg.foundation, params_dtype=torch.float32, use_cpu_initialization=True, calculate_per_token_loss=True
+    )
     model = build_model(cfg, tconfig, device_type="cpu")
     return model, cfg.foundation.vocab_size
 
@@ -125,3 +140,44 @@ def test_segment_groups_are_computed_once_per_micro_batch_and_give_the_same_atte
             q, k, v, cu, scale=0.3, causal=causal, bounds=bounds, by_length=groups
         )
         assert torch.equal(plain, given)
+
+
+def _graph_ops(t: torch.Tensor) -> set[str]:
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo += [f for f, _ in fn.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_equal_segments_tiling_the_pack_attend_in_place_with_the_same_result(causal: bool) -> None:
+    """A ViT's windows (or frames of equal-sized images) tile the pack: one batched SDPA reads the
+    projections in place (no row slices, whose backward zero-fills a whole gradient, and no output
+    buffer), with the result and gradients of the masked reference and of the sliced path (the
+    same windows with an extra segment after them)."""
+    torch.manual_seed(0)
+    lengths = [4] * 6
+    q, k, v = (torch.randn(24, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 4, 8, 12, 16, 20, 24], dtype=torch.int32)
+    out = packed_causal_attention(q, k, v, cu, scale=0.3, causal=causal)
+    assert not {"SliceBackward0", "CopySlices", "IndexBackward0"} & _graph_ops(out)
+    if causal:
+        ref = _block_causal_reference(q, k, v, lengths, 0.3)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    # the general path: the same six windows followed by a 3-token segment (two length groups)
+    q2, k2, v2 = (
+        torch.cat([x.detach(), torch.randn(3, 4, 8, dtype=torch.float64)]).requires_grad_() for x in (q, k, v)
+    )
+    cu2 = torch.tensor([*cu.tolist(), 27], dtype=torch.int32)
+    out2 = packed_causal_attention(q2, k2, v2, cu2, scale=0.3, causal=causal)
+    assert "CopySlices" in _graph_ops(out2)
+    assert torch.equal(out, out2[:24])
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    grads2 = torch.autograd.grad(out2[:24].square().sum(), (q2, k2, v2))
+    for g, g2 in zip(grads, grads2):
+        assert torch.equal(g, g2[:24])

@@ -50,21 +50,36 @@ def packed_causal_attention(
             f"cu_seqlens must run from 0 to the packed length {t}, got {bounds[0]}..{bounds[-1]}"
         )
     gqa = key.shape[1] != heads
+    by_length = by_length if by_length is not None else segments_by_length(bounds)
+    if len(by_length) == 1:
+        ((length, starts),) = by_length.items()
+        if len(starts) * length == t:  # equal segments tiling the pack (a ViT's windows / frames): no copies
+            o = _attend(query, key, value, len(starts), length, scale, dropout_p, causal, gqa)
+            return o.reshape(t, heads * d)
     out = query.new_empty(t, heads, d)
     # Segments of equal length (a ViT's windows, the frames of equal-sized images) go through one
     # batched SDPA call: hundreds of windows per micro-batch would otherwise be hundreds of tiny
-    # kernel launches per layer on a GPU.
-    by_length = by_length if by_length is not None else segments_by_length(bounds)
+    # kernel launches per layer on a GPU. When they tile the whole pack (above) the call reads the
+    # projections in place: no row slices (each a zero-filled gradient + copy in backward), no
+    # output buffer to copy into.
     for length, starts in by_length.items():
-        if len(starts) == 1 or len(starts) * length == t:  # one segment, or all tile the pack in order
+        if len(starts) == 1:
             rows = slice(starts[0], starts[0] + len(starts) * length)
         else:
             offsets = torch.arange(length, device=query.device)
             rows = (to_device(torch.tensor(starts), query.device)[:, None] + offsets).reshape(-1)
-        # [n * L, h, d] -> [n, h, L, d]
-        q, k, v = (x[rows].reshape(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (query, key, value))
-        o = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+        out[rows] = _attend(
+            query[rows], key[rows], value[rows], len(starts), length, scale, dropout_p, causal, gqa
         )
-        out[rows] = o.transpose(1, 2).reshape(-1, heads, d)
     return out.reshape(t, heads * d)
+
+
+def _attend(query, key, value, n: int, length: int, scale: float, dropout_p: float, causal: bool, gqa: bool):
+    """SDPA over ``n`` consecutive segments of ``length`` tokens each: [n * L, h, d] -> [n * L, h, d]."""
+    q, k, v = (
+        x.reshape(n, length, *x.shape[1:]).transpose(1, 2) for x in (query, key, value)
+    )  # [n, h, L, d]
+    o = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
+    return o.transpose(1, 2).reshape(n * length, o.shape[1], o.shape[-1])
