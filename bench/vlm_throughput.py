@@ -17,6 +17,12 @@ the median over the steps after warm-up.
     python bench/vlm_throughput.py                        # both, default shape
     python bench/vlm_throughput.py --text-layers 36 --steps 20 --warmup 5
     python bench/vlm_throughput.py --loong-extra model.layer_backend=local
+    python bench/vlm_throughput.py --hf-modes --variants thread= process=data.multimodal.prefetch=process --repeats 2
+
+``--variants label=override,override ...`` runs Loong once per variant on the same data (asserted),
+``--repeats N`` alternates them N times (A B A B: step times drift between runs) and prints each
+variant's per-run medians. ``--text-only`` also prints the ratio's ceiling at equal MFU: text-only
+FLOPs per token / vision-mix FLOPs per token (an image token also pays the ViT over its patches).
 
 Before any figure, the script asserts that every run trained on the same data at every step: the
 same samples, tokens and images, each counted by the stack itself (Loong's metrics.jsonl, the HF
