@@ -1,11 +1,12 @@
 """prefetch: the same items in the same order, produced ahead; producer errors reach the consumer."""
 
+import os
 import threading
 import time
 
 import pytest
 
-from loong_data.prefetch import prefetch
+from loong_data.prefetch import prefetch, prefetch_process
 
 
 def test_prefetch_yields_the_same_items_produced_ahead():
@@ -39,3 +40,24 @@ def test_prefetch_runs_in_another_thread():
         yield threading.get_ident()
 
     assert next(prefetch(items())) != threading.get_ident()
+
+
+def test_process_prefetch_yields_the_items_in_order_from_a_child_process():
+    def items():
+        for i in range(4):
+            yield i, os.getpid()
+
+    got = list(prefetch_process(items, depth=2))
+    assert [i for i, _ in got] == [0, 1, 2, 3]
+    assert {pid for _, pid in got} != {os.getpid()}  # made in another process
+
+
+def test_process_prefetch_raises_the_producers_error_at_its_item():
+    def items():
+        yield 1
+        raise ValueError("bad shard x.tar")
+
+    it = prefetch_process(items)
+    assert next(it) == 1
+    with pytest.raises(ValueError, match="bad shard x.tar"):
+        next(it)
