@@ -115,13 +115,14 @@ def test_wan_cp_layouts_match_one_process_in_losses_and_every_gradient_over_step
 @pytest.mark.dist
 @pytest.mark.parametrize(
     ("nproc", "layouts"),
-    [(2, ["cp2"]), (4, ["cp4", "cp2-tp2-sp", "cp2-dp2"])],
+    [(2, ["cp2", "cp2-qwen3vl"]), (4, ["cp4", "cp2-tp2-sp", "cp2-dp2"])],
     ids=["2-processes", "4-processes"],
 )
 def test_vlm_cp_layouts_match_one_process_in_losses_and_every_gradient_over_steps(tmp_path, nproc, layouts):
     """tiny-vlm (fp32) through the train app's forward step, megatron's schedule, DDP and Adam for
     three steps: every CP rank encodes the micro-batch's images, keeps the vision embeddings and
-    multimodal positions of its zigzag tokens; the encoder's gradient is summed over CP by DDP."""
+    multimodal positions of its zigzag tokens; the encoder's gradient is summed over CP by DDP.
+    tiny-qwen3-vl adds DeepStack features (cut like the embeddings) and interleaved mrope."""
     report = _torchrun(nproc, layouts, tmp_path / "report.json", VLM_WORKER)
     assert sorted(report) == sorted(layouts)
     for layout, r in report.items():

@@ -1,7 +1,8 @@
 """torchrun worker: the tiny VLM (fp32, gloo) under context parallelism against one process.
 
 Usage: ``torchrun --nproc-per-node N vlm_cp_worker.py OUT.json LAYOUT...`` with LAYOUT like
-``cp2``, ``cp4``, ``cp2-a2a``, ``cp2-tp2-sp``, ``cp2-dp2``. The micro-batches are real bundled
+``cp2``, ``cp4``, ``cp2-a2a``, ``cp2-tp2-sp``, ``cp2-dp2``; ``-qwen3vl`` runs tiny-qwen3-vl
+(DeepStack features, interleaved multimodal RoPE) instead of tiny-vlm. The micro-batches are real bundled
 samples packed THD (every sample padded to a multiple of 8 tokens, so that CP=2 and CP=4 cut them):
 text only, one image, five images of different sizes, an image with a video. The reference runs
 with tp = pp = cp = 1 and every rank computing every micro-batch (the one-process numbers); each
@@ -48,19 +49,20 @@ from loong_xpu import get_accelerator, redirect_cuda
 STEPS, SEQ, SEGMENT = 3, 512, 8
 
 
-def parse(layout: str) -> ParallelConfig:
+def parse(layout: str) -> tuple[ParallelConfig, str]:
+    """(the layout, the zoo model)."""
     kw: dict = {"cp_comm_type": "a2a" if "a2a" in layout else "p2p", "sequence_parallel": "sp" in layout.split("-")}
     for part in layout.split("-"):
         for key in ("cp", "tp", "dp"):
             if part.startswith(key) and part[len(key) :].isdigit():
                 kw[key] = int(part[len(key) :])
     kw.pop("dp", None)  # the rest of the world
-    return ParallelConfig(**kw)
+    return ParallelConfig(**kw), "tiny-qwen3-vl" if "qwen3vl" in layout else "tiny-vlm"
 
 
-def microbatches(out_dir: Path) -> list[dict]:
+def microbatches(out_dir: Path, model: str) -> list[dict]:
     """Text only, one image, five images of different sizes (two samples), an image and a video."""
-    cfg = load_model_config("tiny-vlm")
+    cfg = load_model_config(model)
     e = cfg.image_encoder
     processor = VisionProcessorConfig(patch_size=e.patch_size, temporal_patch_size=e.temporal_patch_size,
                                       merge_size=e.spatial_merge_size, max_pixels=112 * 112,
@@ -111,12 +113,12 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_layout(pcfg: ParallelConfig, accel, batches: list[dict], weights: dict | None = None):
+def run_layout(pcfg: ParallelConfig, model_name: str, accel, batches: list[dict], weights: dict | None = None):
     """(per-step losses, per-step gradients by name, initial weights by name) of one layout."""
     initialize_model_parallel(pcfg, dist.get_world_size())
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
-    cfg = load_model_config("tiny-vlm", ["layer_backend=local"])
+    cfg = load_model_config(model_name, ["layer_backend=local"])
     tconfig = build_transformer_config(cfg.foundation, **fusion_fields("local"),
                                        **runtime_transformer_fields(pcfg, dtype=torch.float32, device_type="cpu"))  # fmt: skip
 
@@ -152,11 +154,14 @@ def main() -> None:
     accel = get_accelerator("cpu")
     with redirect_cuda(accel):
         dist.init_process_group("gloo")
-        batches = microbatches(out_path.parent)
-        ref_losses, ref_grads, weights = run_layout(ParallelConfig(), accel, batches)
-        report = {}
+        report, refs = {}, {}
         for layout in layouts:
-            losses, grads, _ = run_layout(parse(layout), accel, batches, weights)
+            pcfg, model = parse(layout)
+            if model not in refs:
+                batches = microbatches(out_path.parent, model)
+                refs[model] = (batches, *run_layout(ParallelConfig(), model, accel, batches))
+            batches, ref_losses, ref_grads, weights = refs[model]
+            losses, grads, _ = run_layout(pcfg, model, accel, batches, weights)
             for g, r in zip(grads, ref_grads):
                 assert g.keys() == r.keys(), sorted(set(g) ^ set(r))
             report[layout] = {
