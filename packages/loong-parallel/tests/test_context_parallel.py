@@ -3,7 +3,9 @@ combine with it, and (torchrun, gloo) 2- and 4-process CP layouts, alone and wit
 plain and packed (THD) data, against the one-process loss and gradients in fp32. The same
 launches run ChunkPipe across 2 and 4 pipeline stages (see cp_worker.py). The Wan DiT's
 bidirectional CP (contiguous token parts, local cross-attention, the loss on each rank's part)
-matches one process over optimizer steps (wan_cp_worker.py)."""
+matches one process over optimizer steps (wan_cp_worker.py). The tiny VLM's packed micro-batches
+with 0, 1 and 5 images and a video train under CP alone, with TP and sequence parallelism and
+with DP like one process (vlm_cp_worker.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from loong_parallel.context_parallel import context_parallel_conflicts, split_fo
 
 WORKER = Path(__file__).with_name("cp_worker.py")
 WAN_WORKER = Path(__file__).with_name("wan_cp_worker.py")
+VLM_WORKER = Path(__file__).with_name("vlm_cp_worker.py")
 TOL = 1e-5
 
 
@@ -107,3 +110,23 @@ def test_wan_cp_layouts_match_one_process_in_losses_and_every_gradient_over_step
         assert r["loss_diff"] <= TOL, (layout, r)
         assert r["max_grad_diff"] <= TOL * r["max_grad"], (layout, r)
         assert r["per_token_velocity_diff"] <= TOL, (layout, r)  # one timestep per token (Wan2.2 TI2V)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("nproc", "layouts"),
+    [(2, ["cp2", "cp2-qwen3vl"]), (4, ["cp4", "cp2-tp2-sp", "cp2-dp2"])],
+    ids=["2-processes", "4-processes"],
+)
+def test_vlm_cp_layouts_match_one_process_in_losses_and_every_gradient_over_steps(tmp_path, nproc, layouts):
+    """tiny-vlm (fp32) through the train app's forward step, megatron's schedule, DDP and Adam for
+    three steps: every CP rank encodes the micro-batch's images, keeps the vision embeddings and
+    multimodal positions of its zigzag tokens; the encoder's gradient is summed over CP by DDP.
+    tiny-qwen3-vl adds DeepStack features (cut like the embeddings) and interleaved mrope."""
+    report = _torchrun(nproc, layouts, tmp_path / "report.json", VLM_WORKER)
+    assert sorted(report) == sorted(layouts)
+    for layout, r in report.items():
+        assert r["media"] == [0, 1, 5, 2] and r["params"] > 40, (layout, r)
+        assert r["vision_grad"] > 0 and r["ref_losses"][0] != r["ref_losses"][-1], r  # the encoder trains
+        assert r["loss_diff"] <= TOL, (layout, r)
+        assert r["max_grad_diff"] <= TOL, (layout, r)
