@@ -3,16 +3,16 @@
 Usage: ``torchrun --nproc-per-node N cp_worker.py OUT.json LAYOUT...`` with LAYOUT like
 ``cp2``, ``cp2-tp2``, ``cp2-pp2``, ``cp4-a2a``, ``cp2-thd``, ``chunkpipe-pp2-thd`` (ChunkPipe
 runs every sample of the batch in chunks instead of megatron's schedule; ``sp``: sequence
-parallelism, which megatron requires for MoE with TP). The model is a tiny GQA
-Llama; ``mla-...`` runs deepseek-v3-tiny instead (multi-latent attention: query/key and value head
-sizes differ, a decoupled RoPE part; MoE layers after the first), ``mla-mtp-...`` with one
+parallelism, which megatron requires for MoE with TP). The model is a tiny GQA Llama;
+``mla-...`` runs deepseek-v3-tiny instead (multi-latent attention: query/key and value head sizes
+differ, a decoupled RoPE part; MoE layers after the first), ``mla-mtp-...`` with one
 multi-token-prediction layer. ``LAYOUT@REF`` compares LAYOUT with layout REF instead of one
-process (MLA x TP: the local backend's MLA under TP does not match one process, with or without CP). The first pass runs with
-tp = pp = cp = 1 (every rank computes the whole global batch: the one-process numbers); then each
-layout runs the same model, weights and global batch through megatron's schedule, DDP and
-``finalize_model_grads`` (which reduces gradients and token counts over DP x CP). Every
-parameter's gradient is gathered back to full size (over TP and PP) and compared with the
-reference; rank 0 writes the largest differences to OUT.json.
+process (MLA x TP: the local backend's MLA under TP does not match one process, with or without
+CP). The first pass runs with tp = pp = cp = 1 (every rank computes the whole global batch: the
+one-process numbers); then each layout runs the same model, weights and global batch through
+megatron's schedule, DDP and ``finalize_model_grads`` (which reduces gradients and token counts
+over DP x CP). Every parameter's gradient is gathered back to full size (over TP and PP) and
+compared with the reference; rank 0 writes the largest differences to OUT.json.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ CAPACITY = 64
 CHUNK = 12  # ChunkPipe layouts: chunk boundaries fall inside documents, the last chunk is short
 
 
-# model key -> (zoo name, overrides); the key is the part of a layout name before "cp" / "chunkpipe"
+# model key (the words "mla" / "mtp" of a layout name, see model_key) -> (zoo name, overrides)
 MODELS = {
     "gqa": ("tiny", [f"foundation.num_layers={LAYERS}", "foundation.hidden_size=64", "foundation.ffn_hidden_size=128",
                      "foundation.kv_channels=16", "foundation.num_attention_heads=4",
