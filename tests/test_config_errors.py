@@ -120,8 +120,12 @@ def test_context_parallelism_names_what_it_cannot_combine_with():
     with pytest.raises(ConfigError, match=r"data.seq_length=250 must be a multiple of 2 x parallel.cp = 4"):
         validate(cfg, world_size=2)
     cfg = to_config(compose_config("parallel.cp=2", "model=deepseek-v32-tiny"))
-    with pytest.raises(ConfigError, match=r"cannot combine with model.foundation.sparse_attention"):
+    with pytest.raises(ConfigError, match=r"cannot combine with model.foundation.sparse_attention \(DeepSeek sparse "
+                                          r"attention: Loong's DSAttention has no context-parallel path"):  # fmt: skip
         validate(cfg, world_size=2)
+    # multi-latent attention and multi-token prediction run under CP (parity: test_context_parallel.py)
+    validate(to_config(compose_config("parallel.cp=2", "model=deepseek-v3-tiny", "model.foundation.mtp_num_layers=1")),
+             world_size=2)  # fmt: skip
 
 
 def test_wan_context_parallelism_cuts_samples_into_cp_parts_and_names_what_it_cannot_combine_with():

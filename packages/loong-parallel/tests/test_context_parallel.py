@@ -1,6 +1,8 @@
 """Context parallelism: the load-balanced split of micro-batches, the configs that cannot
 combine with it, and (torchrun, gloo) 2- and 4-process CP layouts, alone and with TP and PP, for
-plain and packed (THD) data, against the one-process loss and gradients in fp32. The same
+plain and packed (THD) data, against the one-process loss and gradients in fp32: a GQA Llama and
+deepseek-v3-tiny (multi-latent attention, MoE, and a multi-token-prediction layer whose label
+shift crosses CP ranks). The same
 launches run ChunkPipe across 2 and 4 pipeline stages (see cp_worker.py). The Wan DiT's
 bidirectional CP (contiguous token parts, local cross-attention, the loss on each rank's part)
 matches one process over optimizer steps (wan_cp_worker.py). The tiny VLM's packed micro-batches
@@ -81,12 +83,18 @@ def _torchrun(nproc: int, layouts: list[str], out: Path, worker: Path = WORKER) 
 @pytest.mark.parametrize(
     ("nproc", "layouts"),
     [
-        (2, ["cp2", "cp2-a2a-thd", "chunkpipe-pp2", "chunkpipe-pp2-thd"]),
-        (4, ["cp4", "cp2-tp2", "cp2-pp2", "cp2-a2a", "cp4-thd", "cp2-tp2-thd", "cp2-pp2-thd", "chunkpipe-pp4-thd"]),
+        (2, ["cp2", "cp2-a2a-thd", "chunkpipe-pp2", "chunkpipe-pp2-thd", "mla-cp2", "mla-mtp-cp2-thd"]),
+        (4, ["cp4", "cp2-tp2", "cp2-pp2", "cp2-a2a", "cp4-thd", "cp2-tp2-thd", "cp2-pp2-thd", "chunkpipe-pp4-thd",
+             "mla-cp4-a2a", "mla-mtp-cp4-thd", "mla-mtp-cp2-pp2", "mla-mtp-cp2-tp2-sp@tp2-sp"]),
     ],
     ids=["2-processes", "4-processes"],
 )
-def test_cp_and_chunkpipe_layouts_match_one_process_in_loss_and_every_gradient(tmp_path, nproc, layouts):
+def test_cp_and_chunkpipe_layouts_of_gqa_and_mla_models_match_one_process_in_loss_and_every_gradient(
+    tmp_path, nproc, layouts
+):
+    """``mla-...``: deepseek-v3-tiny (MLA, MoE; ``mtp``: with an MTP layer). Its CP x TP layout is
+    compared with TP alone (``@tp2-sp``): MLA under TP on the local backend does not match one process
+    with or without CP (see cp_worker.py); CP must add no difference on top."""
     report = _torchrun(nproc, layouts, tmp_path / "report.json")
     assert sorted(report) == sorted(layouts)
     for layout, r in report.items():

@@ -172,9 +172,9 @@ def _context_parallel_errors(cfg: Config) -> list[str]:
     if cfg.model.is_diffusion:
         return _diffusion_context_parallel_errors(cfg)
     return context_parallel_conflicts(cfg.parallel, seq_length=d.seq_length, features={
-        "model.foundation.sparse_attention (DeepSeek sparse attention)": f.sparse_attention is not None,
-        "model.foundation.mla (multi-latent attention: no CP parity test yet)": f.mla is not None,
-        "model.foundation.mtp_num_layers (multi-token prediction: no CP parity test yet)": bool(f.mtp_num_layers),
+        "model.foundation.sparse_attention (DeepSeek sparse attention: Loong's DSAttention has no context-parallel "
+        "path, and megatron-core 0.19's runs CP only with cp_comm_type=allgather, which parallel.cp_comm_type "
+        "does not offer)": f.sparse_attention is not None,
         **_multimodal_context_parallel_conflicts(cfg),
     })  # fmt: skip
 
