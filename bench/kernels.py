@@ -14,11 +14,14 @@ machine with a per-command time limit run the groups separately (--only dsa, --o
 DSA forward+backward (seq 8192, top-k 2048) >= 5x faster than the reference, fused linear-CE
 (vocab 128K) peak memory <= 25% of the unfused one and (issue 13) faster than torch.compile of the
 unfused formula with less peak memory. Linear-CE rows: tilelang (Loong's TileLang path), chunked
-(the chunked torch reference; the dispatcher races the two), reference (unfused, eager), compiled. Exit status: 1 if any case raised, 2 if
+(the chunked torch reference; the dispatcher races the two), reference (unfused, eager), compiled,
+and tl-overlap (the TileLang path with each chunk's gradient GEMMs on a side stream,
+``loong_kernels.tl.linear_cross_entropy.OVERLAP``, off by default until measured). Exit status: 1 if any case raised, 2 if
 ``--strict`` and a target was missed, else 0.
 """
 
 import argparse
+import functools
 import statistics
 import sys
 import traceback
@@ -196,6 +199,7 @@ def linear_ce_case(tokens: int, dim: int, vocab: int) -> Case:
     tgt = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
     tgt[::9] = -100  # some padding, as in packed batches
     case = Case(f"linear+cross-entropy fwd+bwd [N={tokens} D={dim} V={vocab}]")
+    from loong_kernels.tl import linear_cross_entropy as tl_ce  # imports tilelang
 
     def chunked(fn: Callable) -> Step:
         return lambda: list(fn(h, w, tgt, -100, None, True, True))
@@ -210,6 +214,8 @@ def linear_ce_case(tokens: int, dim: int, vocab: int) -> Case:
         return step
 
     case.steps["tilelang"] = chunked(_kernels("tilelang")("linear_cross_entropy"))
+    kernel = tl_ce.build_ce(vocab, "bfloat16", True)
+    case.steps["tl-overlap"] = chunked(functools.partial(tl_ce.chunked_with, kernel, overlap=True))
     case.steps["chunked"] = chunked(linear_cross_entropy_chunked)
     case.steps["reference"] = unfused(linear_cross_entropy_unfused)
     case.steps["compiled"] = unfused(torch.compile(linear_cross_entropy_unfused, dynamic=False))
@@ -283,6 +289,8 @@ def check_targets(rows: list[Row]) -> bool:
                 print(f"target fused linear-CE peak <= 25% of unfused: {frac:.1%} -> {'MET' if met else 'MISSED'}")
                 ok &= met
             ok &= _beats_compiled(fused, by.get((case, "compiled")), by.get((case, "chunked")))
+            if (overlap := by.get((case, "tl-overlap"))) and overlap.ms and fused.ms:
+                print(f"  tl-overlap (side-stream gradient GEMMs): {fused.ms / overlap.ms:.2f}x the tilelang row")
     return ok
 
 
@@ -317,7 +325,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 1
-    impls = ["tilelang", "chunked", "reference"] + ([] if args.no_compile else ["compiled"])
+    impls = ["tilelang", "tl-overlap", "chunked", "reference"] + ([] if args.no_compile else ["compiled"])
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
 
     builders = [

@@ -118,3 +118,17 @@ def test_dispatch_races_tilelang_and_the_chunked_reference_at_the_llama_output_l
         hh = h.clone().requires_grad_()
         lk.linear_cross_entropy(hh, w, t).backward()
     assert torch.isfinite(hh.grad).all() and len(chooser.autotuner.cache) == 2  # grads=dh is its own bucket
+
+
+def test_side_stream_gradient_gemms_give_the_serial_result():
+    """The OVERLAP variant (gradient GEMMs of chunk i on a second stream, two logits buffers) must not
+    race: same loss and gradients as the serial loop, over several chunks."""
+    from loong_kernels.tl import linear_cross_entropy as tl_ce
+
+    h, w, t = _data(4000, 1024, 32000)
+    kernel = tl_ce.build_ce(32000, "bfloat16", True)
+    serial = tl_ce.chunked_with(kernel, h, w, t, -100, 512, True, True, overlap=False)
+    for _ in range(3):
+        overlapped = tl_ce.chunked_with(kernel, h, w, t, -100, 512, True, True, overlap=True)
+        torch.cuda.synchronize()
+        _close(overlapped, serial, loss_tol=1e-6, grad_tol=1e-3)

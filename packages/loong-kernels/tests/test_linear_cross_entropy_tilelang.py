@@ -138,3 +138,13 @@ def test_on_cpu_the_reference_runs_untimed_and_tilelang_cannot_be_forced(monkeyp
         with use_implementation("tilelang"), pytest.raises(RuntimeError, match="linear_cross_entropy: TileLang was requested"):
             linear_cross_entropy(h.requires_grad_(), w, t)
     assert not chooser.autotuner.cache
+
+
+def test_the_side_stream_variant_runs_serially_off_cuda():
+    from loong_kernels.tl.linear_cross_entropy import chunked_with
+
+    h, w, t = _data(n=200)
+    serial = chunked_with(emulated_kernel(True), h, w, t, -100, 64, True, True)
+    overlapped = chunked_with(emulated_kernel(True), h, w, t, -100, 64, True, True, overlap=True)
+    for a, b in zip(serial, overlapped, strict=True):
+        assert torch.equal(a, b)

@@ -123,9 +123,13 @@ def linear_cross_entropy(
     """Same contract as :func:`loong_kernels.reference.linear_cross_entropy.linear_cross_entropy_chunked`."""
     need_grad = need_grad_hidden or need_grad_weight
     kernel = build_ce(weight.shape[0], dtype_name(hidden.dtype), need_grad)
-    return chunked_with(
-        kernel, hidden, weight, target, ignore_index, chunk_size, need_grad_hidden, need_grad_weight
-    )
+    args = (hidden, weight, target, ignore_index, chunk_size, need_grad_hidden, need_grad_weight)
+    return chunked_with(kernel, *args, overlap=OVERLAP)
+
+
+# Whether a chunk's gradient GEMMs run on a side stream while the next chunk's logits and softmax
+# kernel run (two logits buffers). Off until measured on a GPU (bench/kernels.py has both rows).
+OVERLAP = False
 
 
 def chunked_with(
@@ -137,9 +141,10 @@ def chunked_with(
     chunk_size: int | None,
     need_grad_hidden: bool,
     need_grad_weight: bool,
+    overlap: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The chunk loop around ``kernel(logits, scale, lse)`` (:func:`build_ce`'s contract; the CPU
-    tests pass a torch emulation of it)."""
+    tests pass a torch emulation of it). ``overlap``: see :data:`OVERLAP` (CUDA only)."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     chunk = min(chunk_size or default_chunk_size(vocab), max(n_tokens, 1))
     need_grad = need_grad_hidden or need_grad_weight
@@ -150,13 +155,18 @@ def chunked_with(
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     # the first chunk's GEMM writes dW; zeros only for no tokens at all
-    grad_weight = (torch.zeros_like if n_tokens == 0 else torch.empty_like)(weight) if need_grad_weight else None
-    logits = torch.empty(chunk, vocab, dtype=hidden.dtype, device=hidden.device)
+    grad_weight = (
+        (torch.zeros_like if n_tokens == 0 else torch.empty_like)(weight) if need_grad_weight else None
+    )
+    side = _SideStream(hidden.device) if overlap and need_grad and hidden.is_cuda else None
+    buffers = [torch.empty(chunk, vocab, dtype=hidden.dtype, device=hidden.device) for _ in range(1 + bool(side))]
     lse = torch.empty(chunk, dtype=torch.float32, device=hidden.device)
-    for start in range(0, n_tokens, chunk):
+    for i, start in enumerate(range(0, n_tokens, chunk)):
         end = min(start + chunk, n_tokens)
         h, sc, idx = hidden[start:end], scale[start:end], index[start:end]
-        lg, ls = logits[: end - start], lse[: end - start]
+        lg, ls = buffers[i % len(buffers)][: end - start], lse[: end - start]
+        if side is not None:
+            side.release(i % len(buffers))  # its gradient GEMMs two chunks ago are done
         torch.mm(h, weight.t(), out=lg)
         picked = lg.gather(1, idx).squeeze(1).float()
         kernel(lg, sc, ls)
@@ -165,8 +175,37 @@ def chunked_with(
             continue
         # the kernel left softmax * scale; the target's entry is (p - 1) * scale, from its float32 p
         lg.scatter_(1, idx, ((torch.exp(picked - ls) - 1) * sc).to(lg.dtype)[:, None])
-        _gradient_gemms(h, lg, weight, grad_hidden, grad_weight, start, end)
+        gemms = functools.partial(_gradient_gemms, h, lg, weight, grad_hidden, grad_weight, start, end)
+        if side is not None:
+            side.run(gemms, i % len(buffers))
+        else:
+            gemms()
+    if side is not None:
+        side.join()
     return loss_sum, grad_hidden, grad_weight
+
+
+class _SideStream:
+    """Runs the gradient GEMMs of a chunk on a second CUDA stream, after the main stream has
+    written that chunk's gradient logits; the main stream waits before it reuses the buffer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device=device)
+        self.done: dict[int, torch.cuda.Event] = {}
+
+    def run(self, fn: Callable[[], None], buffer: int) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            fn()
+            self.done[buffer] = torch.cuda.Event()
+            self.done[buffer].record(self.stream)
+
+    def release(self, buffer: int) -> None:
+        if buffer in self.done:
+            torch.cuda.current_stream().wait_event(self.done.pop(buffer))
+
+    def join(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.stream)
 
 
 def _gradient_gemms(
