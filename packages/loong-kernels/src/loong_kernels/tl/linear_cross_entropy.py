@@ -163,7 +163,8 @@ def chunked_with(
     lse = torch.empty(chunk, dtype=torch.float32, device=hidden.device)
     for i, start in enumerate(range(0, n_tokens, chunk)):
         end = min(start + chunk, n_tokens)
-        h, sc, idx = hidden[start:end], scale[start:end], index[start:end]
+        # a fresh copy of the chunk's scales: TileLang checks kernel arguments' alignment
+        h, sc, idx = hidden[start:end], scale[start:end].clone(), index[start:end]
         lg, ls = buffers[i % len(buffers)][: end - start], lse[: end - start]
         if side is not None:
             side.release(i % len(buffers))  # its gradient GEMMs two chunks ago are done
