@@ -2,12 +2,13 @@
 
 Per chunk of tokens: ``logits = h @ W.T`` (cuBLAS, bf16 out, fp32 accumulation; the chunk's
 logits are the only ``[tokens, vocab]`` buffer ever allocated), then :func:`build_ce`'s kernel
-does everything between the GEMMs in two reads and one write of that buffer: one CTA per row runs
-an online softmax over vocab tiles (every lane keeps its own running max and sum, so a tile costs
-no cross-thread reduction; they are merged once at the end) and writes the row's logsumexp; then,
-in place, ``(softmax - onehot(target)) * scale`` (``scale`` = 1 / valid tokens, 0 on ignored
-rows) as bf16. The two gradient GEMMs (cuBLAS) read that buffer: ``dh = dlogits @ W`` and
-``dW += dlogits.T @ h``. Three GEMMs in all, as in the unfused formula, and no float32 copy of
+does the softmax in two reads and one write of that buffer: one CTA per row runs an online
+softmax over vocab tiles (every lane keeps its own running max and sum, so a tile costs no
+cross-thread reduction; they are merged once at the end) and writes the row's logsumexp; then,
+in place, ``softmax * scale`` (``scale`` = 1 / valid tokens, 0 on ignored rows) as bf16. A
+one-element scatter per row subtracts ``scale`` at the target, which makes the buffer the
+gradient of the mean loss w.r.t. the logits. The two gradient GEMMs (cuBLAS) read it:
+``dh = dlogits @ W`` and ``dW += dlogits.T @ h``. Three GEMMs in all, as in the unfused formula, and no float32 copy of
 the logits. Chunks are large (~512 MiB of bf16 logits) because every chunk reads and writes the
 whole ``dW`` once.
 """
