@@ -4,6 +4,7 @@ never overwritten by accident, and a longer resumed run says what happens to its
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -153,12 +154,18 @@ def test_nan_run_skips_each_step_then_stops_with_an_error_and_overwrite_replaces
     assert not _ckpt(out, 4).exists() and not _ckpt(out, 6).exists(), "the replaced run's checkpoints are gone"
 
 
-def test_resume_refuses_another_model_and_a_silent_schedule_change(base):
+def test_resume_refuses_another_model_init_from_another_shape_and_a_silent_schedule_change(base):
     run, done = base
     out = _copy(done, "longer")
     other = run([*BASE, "resume=true", "model.foundation.ffn_hidden_size=96"], name="longer")
     assert other.returncode != 0
     assert "model.foundation.ffn_hidden_size: 128 in the checkpoint, 96 now" in other.stderr
+    # init_from compares no configs: the tensors' shapes are checked before megatron reads any
+    narrower = run([*BASE, f"train.init_from={_ckpt(done.out_dir, 6)}", "model.foundation.ffn_hidden_size=96"],
+                   name="narrower")  # fmt: skip
+    assert narrower.returncode != 0 and "Traceback" not in narrower.stderr
+    assert re.search(r"checkpoint does not match the model's shapes: \S*linear_fc2\.weight: \[[\d, ]*128\] in the "
+                     r"checkpoint, \[[\d, ]*96\] in the model", narrower.stderr), narrower.stderr[-2000:]  # fmt: skip
     longer = [*BASE[1:], "train.steps=10", "resume=true"]
     refused = run(longer, name="longer")
     assert refused.returncode != 0 and "train.steps: 6 in the checkpoint, 10 now" in refused.stderr

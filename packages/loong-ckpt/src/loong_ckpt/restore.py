@@ -29,14 +29,16 @@ from loong_ckpt.run_dir import (
 from loong_ckpt.safe_load import UnsafeCheckpointError
 from loong_ckpt.training import (
     CheckpointInfo,
+    CheckpointMismatchError,
     _is_main,
     load_checkpoint,
     newest_verified_checkpoint,
     read_checkpoint_info,
 )
 
-# A checkpoint whose files changed since they were written, or that asks to run code.
-UNUSABLE_CHECKPOINT = (IntegrityError, UnsafeCheckpointError)
+# A checkpoint whose files changed since they were written, that asks to run code, or that does not
+# fit the model as configured.
+UNUSABLE_CHECKPOINT = (IntegrityError, UnsafeCheckpointError, CheckpointMismatchError)
 
 
 class RestoreError(ValueError):

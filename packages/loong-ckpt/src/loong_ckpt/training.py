@@ -391,6 +391,35 @@ def _use_stored_names(template: dict[str, Any], path: Path) -> int:
     return renamed
 
 
+def _check_shapes(template: dict[str, Any], path: Path) -> None:
+    """Refuse, in one line naming the tensors, a checkpoint whose tensors have other global shapes
+    than the model's (another width, vocabulary or padding: e.g. a VLM checkpoint written before
+    the ViT MLP was padded needs ``model.image_encoder.pad_ffn_to=1``). megatron would otherwise
+    fail deep inside its load with a message that names no setting."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from loong_ckpt.mcore_io import read_metadata
+
+    stored = read_metadata(path)
+    wrong: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, ShardedTensor) and node.key in stored:
+            saved, expected = tuple(stored[node.key].size), tuple(node.global_shape)
+            if saved != expected:
+                wrong[node.key] = (saved, expected)
+
+    visit(template)
+    if wrong:
+        shown = "; ".join(f"{k}: {list(a)} in the checkpoint, {list(b)} in the model" for k, (a, b) in list(wrong.items())[:3])
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise CheckpointMismatchError(f"{path}: checkpoint does not match the model's shapes: {shown}{more}; build the model "
+                         "with the checkpoint's settings (its loong.json holds the run's config)")  # fmt: skip
+
+
 def _drop_absent_extra_state(template: dict[str, Any], path: Path) -> bool:
     """Transformer Engine modules carry an ``_extra_state`` (FP8 scaling metadata) that the local
     spec's modules do not have. A checkpoint written with one spec must load into the other (CPU
@@ -417,6 +446,11 @@ def _drop_absent_extra_state(template: dict[str, Any], path: Path) -> bool:
 
     visit(template)
     return dropped
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose tensors are not the model's (other names or shapes): the model was built
+    with other settings than the checkpoint's."""
 
 
 def load_checkpoint(
@@ -447,6 +481,7 @@ def load_checkpoint(
                          f"{part} ones; load the base weights from the checkpoint it names")  # fmt: skip
     template = _model_sharded_state_dict(chunks, part)
     _use_stored_names(template, info.path)
+    _check_shapes(template, info.path)
     if optimizer is not None:
         model_sd = dict(template)
         template["optimizer"] = optimizer.sharded_state_dict(
@@ -464,7 +499,7 @@ def load_checkpoint(
         # non-strict loads: only absent TE extra states (and, for a subset, the other part) may be missing
         missing = [] if subset else [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)]
         if missing or result.unexpected_keys:
-            raise ValueError(f"{info.path}: checkpoint does not match the model: missing {missing}, "
+            raise CheckpointMismatchError(f"{info.path}: checkpoint does not match the model: missing {missing}, "
                              f"unexpected {result.unexpected_keys}")  # fmt: skip
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
