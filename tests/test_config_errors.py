@@ -3,6 +3,7 @@ missing data names the path."""
 
 import pytest
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from loong_models import FAMILIES
@@ -103,16 +104,28 @@ def test_cli_reports_config_error_and_missing_data(run_train):
 
 
 def test_context_parallelism_names_what_it_cannot_combine_with():
-    cfg = to_config(compose_config("parallel.cp=2", "parallel.balance.enabled=true", "data.packing=thd",
-                                   "data.seq_length=250"))  # fmt: skip
-    with pytest.raises(ConfigError, match=r"parallel.cp=2 cannot combine with parallel.balance.enabled=true"):
-        validate(cfg, world_size=2)
+    # DP load balancing plans over the DP group: every CP rank of a DP rank gets the same samples
+    validate(to_config(compose_config("parallel.cp=2", "parallel.balance.enabled=true", "data.packing=thd",
+                                      "data.seq_length=256")), world_size=4)  # fmt: skip
+    with initialize_config_module("loong_train.configs", version_base=None):
+        vlm = compose("vlm", overrides=["parallel.cp=2", "parallel.tp=2", "data.seq_length=256"])
+    validate(to_config(vlm), world_size=4)  # multimodal data: the shared encoder layout
+    bad = vlm.copy()
+    OmegaConf.update(bad, "model.image_encoder.tensor_model_parallel_size", 1)  # what hetero_dp needs
+    for key, value in (("model.image_encoder.tensor_model_parallel_size", 1), ("parallel.encoder_layout", "hetero_dp")):
+        OmegaConf.update(bad, key, value)
+        with pytest.raises(ConfigError, match=rf"parallel.cp=2 cannot combine with {key}={value}"):
+            validate(to_config(bad), world_size=4)
     cfg = to_config(compose_config("parallel.cp=2", "data.seq_length=250"))
     with pytest.raises(ConfigError, match=r"data.seq_length=250 must be a multiple of 2 x parallel.cp = 4"):
         validate(cfg, world_size=2)
     cfg = to_config(compose_config("parallel.cp=2", "model=deepseek-v32-tiny"))
-    with pytest.raises(ConfigError, match=r"cannot combine with model.foundation.sparse_attention"):
+    with pytest.raises(ConfigError, match=r"cannot combine with model.foundation.sparse_attention \(DeepSeek sparse "
+                                          r"attention: Loong's DSAttention has no context-parallel path"):  # fmt: skip
         validate(cfg, world_size=2)
+    # multi-latent attention and multi-token prediction run under CP (parity: test_context_parallel.py)
+    validate(to_config(compose_config("parallel.cp=2", "model=deepseek-v3-tiny", "model.foundation.mtp_num_layers=1")),
+             world_size=2)  # fmt: skip
 
 
 def test_wan_context_parallelism_cuts_samples_into_cp_parts_and_names_what_it_cannot_combine_with():

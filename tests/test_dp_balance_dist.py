@@ -1,6 +1,7 @@
 """DP load balancing on 4 gloo processes: samples are exchanged intact and exactly once, and
 the global-batch loss with balancing equals the loss without it (per-token loss normalisation
-makes the assignment irrelevant up to floating-point summation order)."""
+makes the assignment irrelevant up to floating-point summation order), also with context
+parallelism (CP=2 x DP=2: the balancer plans over the DP group only)."""
 
 import json
 import subprocess
@@ -32,9 +33,12 @@ def test_exchange_moves_every_sample_exactly_once(tmp_path) -> None:
 
 
 @pytest.mark.dist
-def test_balanced_loss_equals_unbalanced_loss(tmp_path, data_cache) -> None:
+@pytest.mark.parametrize("cp", [1, 2], ids=["dp4", "cp2-dp2"])
+def test_balanced_loss_equals_unbalanced_loss(tmp_path, data_cache, cp) -> None:
+    """Packed text at DP=4, and at CP=2 x DP=2: the balancer exchanges samples over the DP group
+    (one exchange per CP rank, the same samples), each padded to 2 x cp before packing."""
     overrides = [
-        *TINY, f"data.cache_dir={data_cache}", "data.packing=thd", "data.seq_length=128",
+        *TINY, f"data.cache_dir={data_cache}", f"parallel.cp={cp}", "data.packing=thd", "data.seq_length=128",
         "data.thd.median_length=16", "data.thd.long_fraction=0.1", "train.global_batch_size=32",
         f"train.steps={STEPS}", "train.eval_iters=0", "parallel.balance.min_imbalance=0.0",
         "parallel.balance.refit_warmup_steps=1", "parallel.balance.refit_interval=1",
@@ -55,12 +59,15 @@ def test_balanced_loss_equals_unbalanced_loss(tmp_path, data_cache) -> None:
 
 
 @pytest.mark.dist
-def test_balanced_multimodal_loss_equals_unbalanced_loss(tmp_path, data_cache) -> None:
-    """The tiny VLM on the bundled images and captions at DP=4: the balancer plans each step from
-    the samples' LLM tokens and ViT patches (refitted from the measured times as they come) and the
-    losses match. That a refit changes the plan is packages/loong-parallel/tests/test_balance_multimodal.py."""
+@pytest.mark.parametrize("cp", [1, 2], ids=["dp4", "cp2-dp2"])
+def test_balanced_multimodal_loss_equals_unbalanced_loss(tmp_path, data_cache, cp) -> None:
+    """The tiny VLM on the bundled images and captions at DP=4, and at CP=2 x DP=2: the balancer
+    plans each step from the samples' LLM tokens and ViT patches (refitted from the measured times
+    as they come) over the DP group, every CP rank of a DP rank takes the same samples and its
+    zigzag share of them, and the losses match. That a refit changes the plan is
+    packages/loong-parallel/tests/test_balance_multimodal.py."""
     overrides = [
-        "--config-name=vlm", f"data.cache_dir={data_cache}", "train.global_batch_size=16",
+        "--config-name=vlm", f"data.cache_dir={data_cache}", f"parallel.cp={cp}", "train.global_batch_size=16",
         "train.micro_batch_size=1", f"train.steps={STEPS}", "train.eval_iters=0", "train.save_final=false",
         "train.tensorboard=false", "train.progress=false", "parallel.balance.min_imbalance=0.0",
         "parallel.balance.refit_warmup_steps=1", "parallel.balance.refit_interval=1",

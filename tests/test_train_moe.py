@@ -1,7 +1,7 @@
 """Mixture-of-Experts models through the real train app on CPU: tiny Qwen3-MoE and DeepSeek-V3
 train with a falling loss and log router statistics; expert parallelism (EP=2, and EP=2 beside
-TP=2) reproduces the single-process losses from the same initial weights (2 processes, gloo);
-MoE config errors name the key."""
+TP=2) reproduces the single-process losses from the same initial weights (2 processes, gloo), and
+so does context parallelism on DeepSeek-V3 with an MTP layer; MoE config errors name the key."""
 
 import pytest
 import torch
@@ -103,6 +103,21 @@ def test_expert_parallel_matches_single_process(tmp_path, data_cache, model, lay
     for a, b in zip(single.records("train"), dist.records("train"), strict=True):
         want, got = a["moe_tokens_per_expert"], b["moe_tokens_per_expert"]
         assert sum(want) == sum(got) and max(abs(x - y) for x, y in zip(want, got, strict=True)) <= slack, (want, got)
+
+
+@pytest.mark.dist
+def test_deepseek_v3_with_mtp_under_context_parallelism_matches_one_process(tmp_path, data_cache):
+    """parallel.cp=2 through the train app on deepseek-v3-tiny with an MTP layer (MLA, MoE with
+    expert-bias balancing, the MTP shift across the CP ranks): the LM loss, the logged MTP loss and
+    the router's counts follow one process over the steps, from the seed alone (no TP: the same
+    initial weights)."""
+    run_train = runner(tmp_path, data_cache, "deepseek-v3-tiny")
+    common = ["train.steps=3", "optim.lr=1e-2", "model.foundation.mtp_num_layers=1", "train.save_final=false"]
+    single = run_train(common, name="single").check()
+    cp2 = run_train([*common, "parallel.cp=2"], nproc=2, name="cp2").check()
+    for a, b in zip(single.records("train"), cp2.records("train"), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["mtp_loss"] - b["mtp_loss"]) <= 1e-5, (a, b)
+        assert a["moe_tokens_per_expert"] == b["moe_tokens_per_expert"]
 
 
 def compose_config(*overrides: str):

@@ -1,7 +1,8 @@
 """Every VLM layout that trains also saves, resumes exactly and exports HF weights (torchrun,
 2 gloo processes each): the encoder replicated (TP=1) inside the foundation's TP=2, the same with
 parallel.encoder_layout=hetero_dp, PP=2, and PP=2 with parallel.encoder_layout=decoupled (the encoder
-copied on both stages: one copy saved)."""
+copied on both stages: one copy saved), and context parallelism CP=2 (each CP rank's RNG state
+saved)."""
 
 import json
 import subprocess
@@ -20,6 +21,7 @@ LAYOUTS = {
                   "parallel.encoder_layout=hetero_dp"],
     "pp2": ["parallel.pp=2"],
     "decoupled": ["parallel.pp=2", "parallel.encoder_layout=decoupled"],
+    "cp2": ["parallel.cp=2"],
 }  # fmt: skip
 
 

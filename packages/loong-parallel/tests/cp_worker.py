@@ -2,12 +2,17 @@
 
 Usage: ``torchrun --nproc-per-node N cp_worker.py OUT.json LAYOUT...`` with LAYOUT like
 ``cp2``, ``cp2-tp2``, ``cp2-pp2``, ``cp4-a2a``, ``cp2-thd``, ``chunkpipe-pp2-thd`` (ChunkPipe
-runs every sample of the batch in chunks instead of megatron's schedule). The first pass runs with
-tp = pp = cp = 1 (every rank computes the whole global batch: the one-process numbers); then each
-layout runs the same model, weights and global batch through megatron's schedule, DDP and
-``finalize_model_grads`` (which reduces gradients and token counts over DP x CP). Every
-parameter's gradient is gathered back to full size (over TP and PP) and compared with the
-reference; rank 0 writes the largest differences to OUT.json.
+runs every sample of the batch in chunks instead of megatron's schedule; ``sp``: sequence
+parallelism, which megatron requires for MoE with TP). The model is a tiny GQA Llama;
+``mla-...`` runs deepseek-v3-tiny instead (multi-latent attention: query/key and value head sizes
+differ, a decoupled RoPE part; MoE layers after the first), ``mla-mtp-...`` with one
+multi-token-prediction layer. ``LAYOUT@REF`` compares LAYOUT with layout REF instead of one
+process (MLA x TP: the local backend's MLA under TP does not match one process, with or without
+CP). The first pass runs with tp = pp = cp = 1 (every rank computes the whole global batch: the
+one-process numbers); then each layout runs the same model, weights and global batch through
+megatron's schedule, DDP and ``finalize_model_grads`` (which reduces gradients and token counts
+over DP x CP). Every parameter's gradient is gathered back to full size (over TP and PP) and
+compared with the reference; rank 0 writes the largest differences to OUT.json.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from loong_data import collate_packed
 from loong_models import build_model, build_transformer_config, fusion_fields, load_model_config
@@ -44,9 +51,26 @@ CAPACITY = 64
 CHUNK = 12  # ChunkPipe layouts: chunk boundaries fall inside documents, the last chunk is short
 
 
+# model key (the words "mla" / "mtp" of a layout name, see model_key) -> (zoo name, overrides)
+MODELS = {
+    "gqa": ("tiny", [f"foundation.num_layers={LAYERS}", "foundation.hidden_size=64", "foundation.ffn_hidden_size=128",
+                     "foundation.kv_channels=16", "foundation.num_attention_heads=4",
+                     "foundation.num_query_groups=2", "layer_backend=local"]),
+    "mla": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "layer_backend=local"]),
+    "mla-mtp": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "foundation.mtp_num_layers=1",
+                                     "layer_backend=local"]),
+}  # fmt: skip
+
+
+def model_key(layout: str) -> str:
+    words = [w for w in layout.split("-") if w in ("mla", "mtp")]
+    return "-".join(words) or "gqa"
+
+
 def parse(layout: str) -> tuple[ParallelConfig, bool, bool]:
     """(layout, packed data, ChunkPipe)."""
-    kw: dict = {"cp_comm_type": "a2a" if "a2a" in layout else "p2p"}
+    layout = layout.split("@")[0]
+    kw: dict = {"cp_comm_type": "a2a" if "a2a" in layout else "p2p", "sequence_parallel": "sp" in layout.split("-")}
     for part in layout.split("-"):
         for key in ("cp", "tp", "pp"):
             if part.startswith(key) and part[len(key):].isdigit():
@@ -155,16 +179,14 @@ def run_chunkpipe(chunks, batch: list[dict]) -> list[dict]:
     return outputs
 
 
-def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False, weights: dict | None = None):
+def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False, weights: dict | None = None,
+               model: str = "gqa"):  # fmt: skip
     """(loss, gradients by global name, weights by global name) of one layout."""
     world = dist.get_world_size()
     initialize_model_parallel(pcfg, world)
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
-    cfg = load_model_config("tiny", [f"foundation.num_layers={LAYERS}", "foundation.hidden_size=64",
-                                     "foundation.ffn_hidden_size=128", "foundation.kv_channels=16",
-                                     "foundation.num_attention_heads=4", "foundation.num_query_groups=2",
-                                     "layer_backend=local"])  # fmt: skip
+    cfg = load_model_config(*MODELS[model])
     tconfig = build_transformer_config(
         cfg.foundation, **runtime_transformer_fields(pcfg, dtype=torch.float32, device_type="cpu"), **fusion_fields("local")
     )
@@ -199,7 +221,15 @@ def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False, we
         for k, v in part.items():
             merged.setdefault(k, v)
     mpu.destroy_model_parallel()
+    forget_router_metrics()
     return float(total[0] / total[1]), merged, weights
+
+
+def forget_router_metrics() -> None:
+    """megatron's MoE and MTP trackers are process-wide and size their per-layer entries on first
+    use; the next layout may have another layer count (an MTP layer)."""
+    get_moe_metrics_tracker()._metrics.clear()
+    MTPLossLoggingHelper.tracker.clear()
 
 
 def main() -> None:
@@ -207,21 +237,28 @@ def main() -> None:
     accel = get_accelerator("cpu")
     with redirect_cuda(accel):
         dist.init_process_group("gloo")
-        refs = {thd: run_layout(ParallelConfig(), thd, accel) for thd in {parse(x)[1] for x in layouts}}
+        cases = sorted({(model_key(x), parse(x)[1]) for x in layouts})
+        refs = {(m, thd, None): run_layout(ParallelConfig(), thd, accel, model=m) for m, thd in cases}
         report = {}
         for layout in layouts:
             pcfg, thd, chunked = parse(layout)
-            ref_loss, ref_grads, weights = refs[thd]
-            loss, grads, _ = run_layout(pcfg, thd, accel, chunked, weights)
+            model, against = model_key(layout), layout.split("@")[1] if "@" in layout else None
+            weights = refs[model, thd, None][2]
+            if (model, thd, against) not in refs:  # LAYOUT@REF: compared with layout REF, not one process
+                refs[model, thd, against] = run_layout(parse(against)[0], thd, accel, weights=weights, model=model)
+            ref_loss, ref_grads, _ = refs[model, thd, against]
+            loss, grads, _ = run_layout(pcfg, thd, accel, chunked, weights, model)
             if "output_layer.weight" in grads and "output_layer.weight" not in ref_grads:
                 # tied embeddings under PP: the last stage's output layer is a copy of the input
                 # embedding, and megatron makes their gradients the embedding's whole gradient
                 ref_grads = {**ref_grads, "output_layer.weight": ref_grads["embedding.word_embeddings.weight"]}
             assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
-            diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)
+            diffs = {k: (grads[k] - ref_grads[k]).abs().max().item() for k in grads}
+            worst = max(diffs, key=diffs.__getitem__)
+            diff = diffs[worst]
             scale = max(v.abs().max().item() for v in ref_grads.values())
             report[layout] = {"loss": loss, "ref_loss": ref_loss, "loss_diff": abs(loss - ref_loss),
-                              "max_grad_diff": diff, "max_grad": scale, "params": len(grads)}  # fmt: skip
+                              "max_grad_diff": diff, "worst": worst, "max_grad": scale, "params": len(grads)}  # fmt: skip
         if dist.get_rank() == 0:
             with open(out_path, "w") as f:
                 json.dump(report, f, indent=1)

@@ -1,9 +1,13 @@
 """Context parallelism: the load-balanced split of micro-batches, the configs that cannot
 combine with it, and (torchrun, gloo) 2- and 4-process CP layouts, alone and with TP and PP, for
-plain and packed (THD) data, against the one-process loss and gradients in fp32. The same
+plain and packed (THD) data, against the one-process loss and gradients in fp32: a GQA Llama and
+deepseek-v3-tiny (multi-latent attention, MoE, and a multi-token-prediction layer whose label
+shift crosses CP ranks). The same
 launches run ChunkPipe across 2 and 4 pipeline stages (see cp_worker.py). The Wan DiT's
 bidirectional CP (contiguous token parts, local cross-attention, the loss on each rank's part)
-matches one process over optimizer steps (wan_cp_worker.py)."""
+matches one process over optimizer steps (wan_cp_worker.py). The tiny VLM's packed micro-batches
+with 0, 1 and 5 images and a video train under CP alone, with TP and sequence parallelism and
+with DP like one process (vlm_cp_worker.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from loong_parallel.context_parallel import context_parallel_conflicts, split_fo
 
 WORKER = Path(__file__).with_name("cp_worker.py")
 WAN_WORKER = Path(__file__).with_name("wan_cp_worker.py")
+VLM_WORKER = Path(__file__).with_name("vlm_cp_worker.py")
 TOL = 1e-5
 
 
@@ -78,12 +83,18 @@ def _torchrun(nproc: int, layouts: list[str], out: Path, worker: Path = WORKER) 
 @pytest.mark.parametrize(
     ("nproc", "layouts"),
     [
-        (2, ["cp2", "cp2-a2a-thd", "chunkpipe-pp2", "chunkpipe-pp2-thd"]),
-        (4, ["cp4", "cp2-tp2", "cp2-pp2", "cp2-a2a", "cp4-thd", "cp2-tp2-thd", "cp2-pp2-thd", "chunkpipe-pp4-thd"]),
+        (2, ["cp2", "cp2-a2a-thd", "chunkpipe-pp2", "chunkpipe-pp2-thd", "mla-cp2", "mla-mtp-cp2-thd"]),
+        (4, ["cp4", "cp2-tp2", "cp2-pp2", "cp2-a2a", "cp4-thd", "cp2-tp2-thd", "cp2-pp2-thd", "chunkpipe-pp4-thd",
+             "mla-cp4-a2a", "mla-mtp-cp4-thd", "mla-mtp-cp2-pp2", "mla-mtp-cp2-tp2-sp@tp2-sp"]),
     ],
     ids=["2-processes", "4-processes"],
 )
-def test_cp_and_chunkpipe_layouts_match_one_process_in_loss_and_every_gradient(tmp_path, nproc, layouts):
+def test_cp_and_chunkpipe_layouts_of_gqa_and_mla_models_match_one_process_in_loss_and_every_gradient(
+    tmp_path, nproc, layouts
+):
+    """``mla-...``: deepseek-v3-tiny (MLA, MoE; ``mtp``: with an MTP layer). Its CP x TP layout is
+    compared with TP alone (``@tp2-sp``): MLA under TP on the local backend does not match one process
+    with or without CP (see cp_worker.py); CP must add no difference on top."""
     report = _torchrun(nproc, layouts, tmp_path / "report.json")
     assert sorted(report) == sorted(layouts)
     for layout, r in report.items():
@@ -107,3 +118,23 @@ def test_wan_cp_layouts_match_one_process_in_losses_and_every_gradient_over_step
         assert r["loss_diff"] <= TOL, (layout, r)
         assert r["max_grad_diff"] <= TOL * r["max_grad"], (layout, r)
         assert r["per_token_velocity_diff"] <= TOL, (layout, r)  # one timestep per token (Wan2.2 TI2V)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("nproc", "layouts"),
+    [(2, ["cp2", "cp2-qwen3vl"]), (4, ["cp4", "cp2-tp2-sp", "cp2-dp2"])],
+    ids=["2-processes", "4-processes"],
+)
+def test_vlm_cp_layouts_match_one_process_in_losses_and_every_gradient_over_steps(tmp_path, nproc, layouts):
+    """tiny-vlm (fp32) through the train app's forward step, megatron's schedule, DDP and Adam for
+    three steps: every CP rank encodes the micro-batch's images, keeps the vision embeddings and
+    multimodal positions of its zigzag tokens; the encoder's gradient is summed over CP by DDP.
+    tiny-qwen3-vl adds DeepStack features (cut like the embeddings) and interleaved mrope."""
+    report = _torchrun(nproc, layouts, tmp_path / "report.json", VLM_WORKER)
+    assert sorted(report) == sorted(layouts)
+    for layout, r in report.items():
+        assert r["media"] == [0, 1, 5, 2] and r["params"] > 40, (layout, r)
+        assert r["vision_grad"] > 0 and r["ref_losses"][0] != r["ref_losses"][-1], r  # the encoder trains
+        assert r["loss_diff"] <= TOL, (layout, r)
+        assert r["max_grad_diff"] <= TOL, (layout, r)

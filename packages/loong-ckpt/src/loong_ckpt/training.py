@@ -186,11 +186,13 @@ def _set_aside(path: Path, reason: Exception) -> None:
 def _layout() -> dict[str, int]:
     from megatron.core import parallel_state as mpu
 
-    return dict(
+    layout = dict(
         tp=mpu.get_tensor_model_parallel_world_size(),
         pp=mpu.get_pipeline_model_parallel_world_size(),
         dp=mpu.get_data_parallel_world_size(),
     )
+    cp = mpu.get_context_parallel_world_size()
+    return {**layout, "cp": cp} if cp > 1 else layout  # "cp" only with CP: older checkpoints match
 
 
 def _rng_object(state: Any):
@@ -198,17 +200,12 @@ def _rng_object(state: Any):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     lay = _layout()
-    return ShardedObject(
-        "rng_state",
-        state,
-        (lay["pp"], lay["tp"], lay["dp"]),
-        (
-            mpu.get_pipeline_model_parallel_rank(),
-            mpu.get_tensor_model_parallel_rank(),
-            mpu.get_data_parallel_rank(),
-        ),
-        replica_id=0,
-    )
+    shape = (lay["pp"], lay["tp"], lay["dp"])
+    offset = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
+              mpu.get_data_parallel_rank())  # fmt: skip
+    if "cp" in lay:  # every CP rank of a DP rank keeps its own state (else: duplicate keys)
+        shape, offset = (*shape, lay["cp"]), (*offset, mpu.get_context_parallel_rank())
+    return ShardedObject("rng_state", state, shape, offset, replica_id=0)
 
 
 def _fork_writer_queue() -> None:

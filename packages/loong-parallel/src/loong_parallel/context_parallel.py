@@ -6,26 +6,39 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from loong_models.attention.cp_layout import packed_zigzag, zigzag_positions
 
 # Per-token fields of a micro-batch, [b, s] (THD: [1, t]).
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-def split_for_context_parallel(batch: dict[str, Any], cp_size: int, cp_rank: int) -> dict[str, Any]:
+def context_parallel_index(batch: dict[str, Any], cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The positions (into the micro-batch's full sequence, int64, host) of the tokens rank
+    ``cp_rank`` holds, in the order it holds them: the zigzag chunks of every sequence (of every
+    THD segment). A VLM reads it to put its vision embeddings and multimodal positions, computed
+    on the whole sequence, at this rank's tokens."""
+    if "cu_seqlens" not in batch:
+        return zigzag_positions(int(batch["tokens"].shape[1]), cp_size, cp_rank)
+    cu = [int(x) for x in batch["cu_seqlens"].tolist()]
+    try:
+        return packed_zigzag(cu, cp_size, cp_rank)[0]
+    except ValueError as e:
+        raise ValueError(f"packed micro-batch with segments {cu}: {e}") from None
+
+
+def split_for_context_parallel(
+    batch: dict[str, Any], cp_size: int, cp_rank: int, index: torch.Tensor | None = None
+) -> dict[str, Any]:
     """The micro-batch as rank ``cp_rank`` of ``cp_size`` sees it; other keys pass unchanged.
     Every sequence (every THD segment) must be divisible by ``2 * cp_size``: pad samples with
-    ``loong_data.collate_packed(..., segment_multiple=2 * cp)``."""
+    ``loong_data.collate_packed(..., segment_multiple=2 * cp)``. ``index``: the rank's
+    :func:`context_parallel_index`, when the caller has it already."""
     if cp_size == 1:
         return batch
-    if "cu_seqlens" in batch:
-        cu = [int(x) for x in batch["cu_seqlens"].tolist()]
-        try:
-            index, _ = packed_zigzag(cu, cp_size, cp_rank)
-        except ValueError as e:
-            raise ValueError(f"packed micro-batch with segments {cu}: {e}") from None
-    else:
-        index = zigzag_positions(int(batch["tokens"].shape[1]), cp_size, cp_rank)
+    if index is None:
+        index = context_parallel_index(batch, cp_size, cp_rank)
     out = dict(batch)
     for key in SEQUENCE_KEYS:
         if key in batch:

@@ -7,8 +7,8 @@ accelerator, so megatron's own modules, optimizer and schedules run unmodified.
 
 Every patch is listed in :data:`MANIFEST` with the reason it exists. :func:`redirect_cuda`
 applies all of them and :meth:`PatchSet.remove` undoes them, restoring the originals. A few
-patches supply a piece megatron-core otherwise takes from apex (``on_cuda``): those also apply
-on CUDA, where nothing needs redirecting.
+patches supply a piece megatron-core otherwise takes from apex, or correct megatron on every
+device (``on_cuda``): those also apply on CUDA, where nothing needs redirecting.
 """
 
 from __future__ import annotations
@@ -151,6 +151,12 @@ def _dummy_wgrad_of(accel: Accelerator):
         return torch.zeros(shape, dtype=dtype, device=accel.device())
 
     return get_dummy_wgrad
+
+
+def _mtp_loss_of(accel: Accelerator):
+    from loong_xpu.mtp_loss import make_process_mtp_loss
+
+    return make_process_mtp_loss(accel)
 
 
 MANIFEST: tuple[Patch, ...] = (
@@ -315,6 +321,15 @@ MANIFEST: tuple[Patch, ...] = (
         "apex's fused_weight_gradient_mlp_cuda, bound at import where apex is installed: "
         "loong_xpu.wgrad supplies its two functions (TE's GEMM on CUDA, torch's addmm_ elsewhere)",
         _wgrad_kernels,
+        on_cuda=True,
+    ),
+    Patch(
+        "megatron.core.models.gpt.gpt_model:process_mtp_loss",
+        "with context parallelism and per-token loss megatron weights each MTP layer's loss by the CP "
+        "rank's own token counts (before / after the layer's shift), not the whole sequences': ranks "
+        "weight their parts of one sequence differently and the gradient differs from one process's. "
+        "loong_xpu.mtp_loss counts over the CP group (megatron's function otherwise)",
+        _mtp_loss_of,
         on_cuda=True,
     ),
 )

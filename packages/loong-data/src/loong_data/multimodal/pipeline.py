@@ -214,8 +214,10 @@ def collate_multimodal(
     *,
     capacity: int | None = None,
     pad_id: int = 0,
+    segment_multiple: int = 1,
 ) -> dict:
-    """One packed THD micro-batch of the samples (see :func:`loong_data.collate_packed`) plus
+    """One packed THD micro-batch of the samples (see :func:`loong_data.collate_packed`, also for
+    ``segment_multiple``, context parallelism's padding of every sample) plus
     ``pixel_values [N, patch_dim]`` float32 / ``image_grid_thw [N_img, 3]`` int64 and
     ``pixel_values_videos`` / ``video_grid_thw`` (media in order of appearance; empty tensors when
     the pack has none)."""
@@ -223,6 +225,7 @@ def collate_multimodal(
         [{"tokens": s.tokens, "labels": s.labels, "loss_mask": s.loss_mask} for s in samples],
         capacity=capacity,
         pad_id=pad_id,
+        segment_multiple=segment_multiple,
     )
     pixels: dict[str, list[torch.Tensor]] = {"image": [], "video": []}
     grids: dict[str, list[torch.Tensor]] = {"image": [], "video": []}

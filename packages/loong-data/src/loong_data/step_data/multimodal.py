@@ -12,6 +12,7 @@ a different DP size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -64,15 +65,20 @@ class MultimodalStepData:
                                        seed=self.layout.seed, shuffle_buffer=max(1, shuffle_buffer))  # fmt: skip
 
     def _pack(self, samples: list[MultimodalSample]) -> list[dict]:
-        packs = packing_strategy(self.strategy).pack([len(s) for s in samples], self.seq_length)
-        return [self._collate([samples[i] for i in pack]) for pack in packs]
+        """Packs of the samples, each padded to the layout's ``segment_multiple`` (context
+        parallelism cuts every sample into 2 x cp chunks) before packing."""
+        lengths = [padded_length(len(s), self.layout.segment_multiple) for s in samples]
+        packs = packing_strategy(self.strategy).pack(lengths, self.seq_length)
+        return [self._collate([samples[i] for i in pack], sum(lengths[i] for i in pack)) for pack in packs]
 
-    def _collate(self, pack: list[MultimodalSample]) -> dict:
-        """One micro-batch, its padding tail as short as the layout allows: padding tokens cost
-        the LLM's GEMMs as much as real ones."""
-        multiple, tokens = self.layout.pack_multiple, sum(len(s) for s in pack)
+    def _collate(self, pack: list[MultimodalSample], tokens: int) -> dict:
+        """One micro-batch of ``tokens`` (padded samples), its padding tail as short as the layout
+        allows: padding tokens cost the LLM's GEMMs as much as real ones."""
+        segment = self.layout.segment_multiple
+        multiple = None if self.layout.pack_multiple is None else math.lcm(self.layout.pack_multiple, segment)
         capacity = self.seq_length if multiple is None else min(self.seq_length, padded_length(tokens, multiple))
-        return collate_multimodal(pack, self.processor, capacity=capacity, pad_id=self.tokenizer.pad_id)
+        return collate_multimodal(pack, self.processor, capacity=capacity, pad_id=self.tokenizer.pad_id,
+                                  segment_multiple=segment)  # fmt: skip
 
     def train_steps(self, start_step: int = 0, balancer: Any = None) -> Iterator[list[dict]]:
         """For each step from ``start_step``: this DP rank's packed micro-batches: its slice of the

@@ -9,7 +9,8 @@ row per token the segments change nothing: rotating the whole ``[s, b, heads, di
 key at once is the same arithmetic (megatron's per-segment path concatenates the same rows), with
 no host read. This module does that right after the q / k projections (and q / k norms) and
 hands megatron no rotary embedding; anything else (per-segment tables that restart at each
-segment, context parallelism, a pair of q / k tables) goes through megatron's own path.
+segment, a pair of q / k tables) goes through megatron's own path. Under context parallelism
+the table must then hold this rank's tokens' rows (a VLM's positions are cut with its tokens).
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ class TokenRopeSelfAttention(SelfAttention):
             self._token_freqs = None
 
     def _per_token(self, hidden_states: torch.Tensor, freqs, packed_seq_params) -> bool:
-        """A THD micro-batch without context parallelism whose rotary table has one row per token
-        (the whole sequence: hidden states are sequence-sharded under sequence parallelism)."""
+        """A THD micro-batch whose rotary table has one row per token (the whole sequence: hidden
+        states are sequence-sharded under sequence parallelism; under context parallelism, this
+        rank's tokens: a VLM cuts its multimodal positions with the tokens)."""
         if (
             not isinstance(freqs, torch.Tensor)
             or packed_seq_params is None
             or packed_seq_params.qkv_format != "thd"
         ):
             return False
-        if self.pg_collection.cp.size() > 1 or self.config.no_rope_freq:
+        if self.config.no_rope_freq:
             return False
         tokens = hidden_states.size(0) * (
             self.pg_collection.tp.size() if self.config.sequence_parallel else 1

@@ -182,6 +182,10 @@ def build_foundation(
             seq_len_interpolation_factor=old.seq_len_interpolation_factor, rotary_base=int(cfg.rotary_base),
             cp_group=old.cp_group,
         )  # fmt: skip
+    if cfg.mrope_section is not None:
+        # the VLM hands its foundation each context-parallel rank's own positions (cut with its
+        # tokens, OmniCombinationModel.positions): megatron's module must not cut them again
+        model.rotary_pos_emb.cp_group = None
     if cfg.freeze:
         for p in model.parameters():
             p.requires_grad_(False)

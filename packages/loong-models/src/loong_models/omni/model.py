@@ -9,6 +9,14 @@ placeholder indices, the ViT's segments and windows) reads token ids and grids o
 forward step keeps the grids there and passes the host copy of the token ids (``host_input_ids``)
 and of the segment boundaries (``HostPackedSeqParams.bounds``), so a forward never waits for the
 device.
+
+Context parallelism (``cp_index``: the positions, into the whole packed sequence, of the tokens
+this CP rank holds): the input ids, labels and loss mask are this rank's zigzag share, while
+``host_input_ids`` and the packed boundaries stay the whole sequence's. Every CP rank encodes all
+images of the micro-batch, computes the multimodal positions on the whole sequence, and keeps
+the vision embeddings and positions of its own tokens; the encoder's gradient on each rank comes
+from its tokens' loss only, so the data-parallel reduction over DP x CP sums it to the one-process
+gradient.
 """
 
 from __future__ import annotations
@@ -62,10 +70,11 @@ class OmniCombinationModel(MegatronModule):
 
     ``forward(input_ids, position_ids, attention_mask, labels=None, packed_seq_params=None,
     pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-    second_per_grid_ts=None, host_input_ids=None)`` -> per-token loss ``[1, S]`` with labels,
+    second_per_grid_ts=None, host_input_ids=None, cp_index=None)`` -> per-token loss ``[1, S]`` with labels,
     logits without (hidden states on non-last pipeline stages), like GPTModel. ``host_input_ids``:
     the host copy of ``input_ids`` (without it, and without ``bounds`` in ``packed_seq_params``,
-    the bookkeeping reads the device tensors back: a sync per read).
+    the bookkeeping reads the device tensors back: a sync per read). ``cp_index``: context
+    parallelism (see the module doc; ``host_input_ids`` is then required).
     """
 
     def __init__(
@@ -128,9 +137,11 @@ class OmniCombinationModel(MegatronModule):
         second_per_grid_ts=None,
         *,
         host_input_ids: torch.Tensor | None = None,
+        cp_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[3, 1, S]`` multimodal RoPE positions of a packed micro-batch, on ``input_ids``' device
-        (computed from the host copies of the ids and boundaries when given)."""
+        (computed from the host copies of the ids and boundaries when given); with ``cp_index``,
+        those of this CP rank's tokens, from the whole sequence's (``host_input_ids``)."""
         cu = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
         bounds = host_bounds(packed_seq_params)
         cu = torch.tensor(bounds) if bounds is not None else cu
@@ -139,6 +150,8 @@ class OmniCombinationModel(MegatronModule):
             spatial_merge_size=self.spatial_merge_size, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
             second_per_grid_ts=second_per_grid_ts, tokens_per_second=self.tokens_per_second, cu_seqlens=cu,
         )  # fmt: skip
+        if cp_index is not None:
+            positions = positions.index_select(2, cp_index)
         return to_device(positions, input_ids.device)
 
     def vision_embeddings(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -166,10 +179,11 @@ class OmniCombinationModel(MegatronModule):
         taps = self.image_encoder.cfg.deepstack_visual_indexes
         return self.image_projector(h), [merged[j] for j in sorted(range(len(taps)), key=taps.__getitem__)]
 
-    def _merge(self, input_ids, embeddings, media) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _merge(self, input_ids, embeddings, media, cp_index=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write each kind's vision embeddings over its placeholder tokens (in order). Returns the
         embeddings and the DeepStack additions ``[K, S, B, H]`` (zero at text tokens; None without
-        DeepStack or media). ``input_ids``: best the host copy (placeholders found without a sync)."""
+        DeepStack or media). ``input_ids``: best the host copy (placeholders found without a sync).
+        ``cp_index``: ``input_ids`` is the whole sequence, ``embeddings`` this CP rank's tokens."""
         deep = None
         for token_id, pixels, grid, kind in media:
             mask = input_ids[0] == token_id if token_id is not None else None
@@ -186,7 +200,9 @@ class OmniCombinationModel(MegatronModule):
             if vision.shape[0] != count:
                 raise ValueError(f"{kind}s give {vision.shape[0]} tokens (grid_thw {grid.tolist()}, merge "
                                  f"{self.spatial_merge_size}) but the text has {count} placeholder tokens")  # fmt: skip
-            index = to_device(mask.nonzero()[:, 0], embeddings.device)
+            index, rows = _placeholder_rows(mask, cp_index, embeddings.device)
+            if rows is not None:  # context parallelism: the vision tokens at this rank's placeholders
+                vision, feats = vision.index_select(0, rows), [f.index_select(0, rows) for f in feats]
             embeddings = embeddings.index_copy(0, index, vision.to(embeddings.dtype)[:, None, :])
             if feats:
                 deep = embeddings.new_zeros(len(feats), *embeddings.shape) if deep is None else deep
@@ -206,11 +222,14 @@ class OmniCombinationModel(MegatronModule):
         video_grid_thw: torch.Tensor | None = None,
         second_per_grid_ts=None,
         host_input_ids: torch.Tensor | None = None,
+        cp_index: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        self._check_context_parallel(cp_index, host_input_ids)
         if self.mrope:
             position_ids = self.positions(input_ids, packed_seq_params, image_grid_thw, video_grid_thw,
-                                          second_per_grid_ts, host_input_ids=host_input_ids)  # fmt: skip
+                                          second_per_grid_ts, host_input_ids=host_input_ids,
+                                          cp_index=cp_index)  # fmt: skip
         decoder_input = None
         if self.pre_process:
             if input_ids.shape[0] != 1 and (pixel_values is not None or pixel_values_videos is not None):
@@ -221,7 +240,7 @@ class OmniCombinationModel(MegatronModule):
             embeddings, deep = self._merge(ids, embeddings, (
                 (self.token_ids.image_token_id, pixel_values, image_grid_thw, "image"),
                 (self.token_ids.video_token_id, pixel_values_videos, video_grid_thw, "video"),
-            ))  # fmt: skip
+            ), cp_index)  # fmt: skip
             if self.config.sequence_parallel:
                 embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
                 if deep is not None:
@@ -233,3 +252,25 @@ class OmniCombinationModel(MegatronModule):
             input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
             packed_seq_params=packed_seq_params, **kwargs,
         )  # fmt: skip
+
+    def _check_context_parallel(self, cp_index, host_input_ids) -> None:
+        """Under context parallelism the vision bookkeeping needs the whole sequence's ids."""
+        if self.config.context_parallel_size == 1:
+            return
+        if cp_index is None or host_input_ids is None:
+            raise ValueError(
+                f"context parallelism (parallel.cp={self.config.context_parallel_size}) on a VLM needs the "
+                "micro-batch's whole token ids (host_input_ids) and this rank's positions (cp_index), "
+                "as loong_parallel.lm_forward_step passes them for multimodal (data.kind=multimodal) batches"
+            )
+
+
+def _placeholder_rows(mask: torch.Tensor, cp_index: torch.Tensor | None, device: torch.device):
+    """(where in ``embeddings`` the vision tokens go, on its device; which vision tokens, or
+    None for all). ``mask``: the placeholders of the whole sequence (host)."""
+    if cp_index is None:
+        return to_device(mask.nonzero()[:, 0], device), None
+    held = mask[cp_index]  # this rank's tokens that are placeholders
+    local = held.nonzero()[:, 0]
+    rows = (mask.cumsum(0) - 1)[cp_index[local]]  # each one's vision token (placeholder order)
+    return to_device(local, device), to_device(rows, device)
