@@ -33,6 +33,9 @@ CASES = [
     ("indexer", "build_scores", (16, 32, "bfloat16")),
     ("indexer", "build_topk_logits_fwd", (16, 32, 128, "bfloat16")),
     ("indexer", "build_topk_logits_bwd", (16, 32, 128, "bfloat16")),
+    # llama3's vocab (62 full tiles and a tail) and one smaller than a tile, loss only
+    ("linear_cross_entropy", "build_ce", (128256, "bfloat16", True)),
+    ("linear_cross_entropy", "build_ce", (1000, "float16", False)),
 ]
 
 

@@ -46,6 +46,11 @@ class Decision:
     decided_by: str = "this process"
 
 
+def token_bucket(n: int) -> str:
+    """A token count rounded up to a power of two: one decision serves the lengths of a bucket."""
+    return f"T<={1 << max(n - 1, 0).bit_length()}"
+
+
 class Autotuner:
     """Picks the fastest candidate that agrees with the reference, per key; see the module doc."""
 

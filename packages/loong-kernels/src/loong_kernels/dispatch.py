@@ -6,7 +6,8 @@ when the inputs live on the device of loong-xpu's accelerator, that accelerator 
 shapes; otherwise the reference runs.
 
 Ops with several fast implementations (:data:`TUNED`: DSA's indexer top-k and sparse MLA, whose
-forward and backward must come from the same one) are measured instead: :func:`choose_op` has the current
+forward and backward must come from the same one, and linear + cross-entropy, whose chunked torch
+reference is itself a fast candidate) are measured instead: :func:`choose_op` has the current
 :class:`Dispatcher`'s :class:`~loong_kernels.autotune.Autotuner` time every implementation that
 can run the call, on its real inputs, once per shape bucket, and keeps the fastest that agrees
 with the reference (the decision table is logged; ranks agree on rank 0's choice).
@@ -63,8 +64,10 @@ KERNELS: dict[str, KernelEntry] = {
     "rms_norm_bwd": KernelEntry(f"{_REF}.rms_norm:rms_norm_bwd", f"{_TL}.rms_norm:rms_norm_bwd", f"{_TL}.rms_norm:supports_bwd"),
     "swiglu_fwd": KernelEntry(f"{_REF}.swiglu:swiglu_fwd", f"{_TL}.swiglu:swiglu_fwd", f"{_TL}.swiglu:supports"),
     "swiglu_bwd": KernelEntry(f"{_REF}.swiglu:swiglu_bwd", f"{_TL}.swiglu:swiglu_bwd", f"{_TL}.swiglu:supports_bwd"),
-    # chunking is the memory win; the chunks are cuBLAS matmuls, so there is no TileLang version
-    "linear_cross_entropy": KernelEntry(f"{_REF}.linear_cross_entropy:linear_cross_entropy_chunked"),
+    "linear_cross_entropy": KernelEntry(
+        f"{_REF}.linear_cross_entropy:linear_cross_entropy_chunked",
+        f"{_TL}.linear_cross_entropy:linear_cross_entropy", f"{_TL}.linear_cross_entropy:supports",
+    ),  # fmt: skip
     "indexer_scores": KernelEntry(f"{_REF}.dsa:indexer_scores", f"{_TL}.indexer:indexer_scores", f"{_TL}.indexer:supports_scores"),
     "indexer_topk": KernelEntry(
         f"{_REF}.dsa:indexer_topk", f"{_TL}.indexer:indexer_topk", f"{_TL}.indexer:supports_indexer_topk",
@@ -231,6 +234,11 @@ TUNED: dict[str, TunedOp] = {
         ("sparse_mla_fwd", "sparse_mla_bwd"), "loong_kernels.ops.dsa_tuning:sparse_mla_trial",
         "loong_kernels.ops.dsa_tuning:sparse_mla_bucket", "loong_kernels.agreement:rel_diff", 2e-2,
     ),  # fmt: skip
+    # the same bf16 logits and gradients, chunked differently: dW is rounded to bf16 once per chunk
+    "linear_cross_entropy": TunedOp(
+        ("linear_cross_entropy",), "loong_kernels.ops.linear_cross_entropy_tuning:trial",
+        "loong_kernels.ops.linear_cross_entropy_tuning:bucket", "loong_kernels.agreement:rel_diff", 2e-2,
+    ),  # fmt: skip
     # bf16 scores round near-ties differently: up to 1% of the keys may differ from the reference's
     "indexer_topk": TunedOp(
         ("indexer_topk",), "loong_kernels.ops.dsa_tuning:indexer_topk_trial",
@@ -257,6 +265,8 @@ class Dispatcher:
         tuned = TUNED[op]
         entry = KERNELS[tuned.kernels[0]]
         requested = _requested()
+        if requested == "megatron" and entry.megatron is None:
+            requested = "auto"  # as in choose(): the override targets the kernels megatron-core has
         if requested != "auto":
             return _forced_impl(op, requested, entry, args)
         x = _first_tensor(args)

@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import torch
 
-from loong_kernels.autotune import Step
+from loong_kernels.autotune import Step, token_bucket
 
 
 def sparse_mla_bucket(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, scale: float) -> tuple:
     """Tokens rounded up to a power of two; heads, top-k and widths exactly (kernels specialise on them)."""
-    return (_tokens(q.shape[0]), f"H={q.shape[1]}", f"K={indices.shape[1]}", f"d_qk={q.shape[2]}", f"d_v={d_v}")
+    return (token_bucket(q.shape[0]), f"H={q.shape[1]}", f"K={indices.shape[1]}", f"d_qk={q.shape[2]}", f"d_v={d_v}")
 
 
 def sparse_mla_trial(
@@ -32,12 +32,8 @@ def sparse_mla_trial(
     return step
 
 
-def _tokens(n: int) -> str:
-    return f"T<={1 << max(n - 1, 0).bit_length()}"
-
-
 def indexer_topk_bucket(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, topk: int) -> tuple:
-    return (_tokens(q_i.shape[0]), f"H_i={q_i.shape[1]}", f"D_i={q_i.shape[2]}", f"K={topk}")
+    return (token_bucket(q_i.shape[0]), f"H_i={q_i.shape[1]}", f"D_i={q_i.shape[2]}", f"K={topk}")
 
 
 def indexer_topk_trial(

@@ -1,4 +1,7 @@
-"""Linear + cross-entropy over token chunks as an autograd Function (no full logits)."""
+"""Linear + cross-entropy over token chunks as an autograd Function (no full logits).
+
+The implementation (TileLang softmax kernel between cuBLAS GEMMs, or the chunked torch reference)
+is measured once per shape bucket by the dispatcher."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from typing import Any
 
 import torch
 
-from loong_kernels.dispatch import call
+from loong_kernels.dispatch import call_with, choose_op
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -20,16 +23,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         chunk_size: int | None,
     ) -> torch.Tensor:
         # gradients are produced chunk by chunk here, while each chunk's logits exist
-        loss, dh, dw = call(
-            "linear_cross_entropy",
-            hidden,
-            weight,
-            target,
-            ignore_index,
-            chunk_size,
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-        )
+        args = (hidden, weight, target, ignore_index, chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        loss, dh, dw = call_with(choose_op("linear_cross_entropy", *args), "linear_cross_entropy", *args)
         ctx.save_for_backward(*(g for g in (dh, dw) if g is not None))
         ctx.has = (dh is not None, dw is not None)
         return loss
