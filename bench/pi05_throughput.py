@@ -15,6 +15,13 @@ the steps after warm-up.
 
     python bench/pi05_throughput.py                          # full shape, batch 8, 20 steps
     python bench/pi05_throughput.py --batch 4 --steps 30 --warmup 5
+    python bench/pi05_throughput.py --batch 4 --rounds 2 --variant base --variant whole \
+        model.embodied.compile_scope=policy                  # A/B/A/B Loong configs, then LeRobot
+
+``--variant NAME [OVERRIDES...]`` (repeatable) runs several Loong configurations (each its own
+train-app run, on top of ``--loong-extra``) in one invocation, ``--rounds`` times in turn
+(A, B, A, B, ...), then the reference once: every row of the table is measured on the same
+samples in one run, and the rounds show the run-to-run noise of each configuration.
 
 Before any figure the script asserts that both sides trained on the same data at every step: the
 same sample count and the same digest of prompt tokens, actions and sample ids (each side counts
@@ -209,15 +216,42 @@ def check_same_data(a: Row, b: Row) -> None:
             raise SystemExit(f"{a.name!r} and {b.name!r} trained different data at step {step}: {x} != {y}")
 
 
-def report(loong: Row, ref: Row, warmup: int, batch: int) -> dict:
-    med = {r.name: statistics.median(r.step_times[warmup:]) for r in (loong, ref)}
-    print(f"{'stack':<42} {'step s (med)':>12} {'samples/s':>10} {'peak GiB':>9}")
-    for r in (loong, ref):
-        print(f"{r.name:<42} {med[r.name]:12.3f} {batch / med[r.name]:10.2f} {r.peak_gib:9.1f}")
-    ratio = med[ref.name] / med[loong.name]
-    print(f"loong / {ref.name.split(' ')[0]} samples/s: {ratio:.2f}x")
-    return {"loong_samples_per_s": batch / med[loong.name], "reference_samples_per_s": batch / med[ref.name],
-            "ratio": ratio, "steps_compared": len(loong.step_times) - warmup}  # fmt: skip
+def report(loongs: list[Row], ref: Row, warmup: int, batch: int) -> dict:
+    """The table (one row per Loong run, then the reference) and the figures of the fastest Loong
+    run (with ``variants``: each variant's median step over its rounds and its ratio)."""
+    med = {id(r): statistics.median(r.step_times[warmup:]) for r in (*loongs, ref)}
+    print(f"{'stack':<52} {'step s (med)':>12} {'samples/s':>10} {'peak GiB':>9} {'ratio':>6}")
+    for r in (*loongs, ref):
+        ratio = med[id(ref)] / med[id(r)]
+        print(f"{r.name:<52} {med[id(r)]:12.3f} {batch / med[id(r)]:10.2f} {r.peak_gib:9.1f} {ratio:5.2f}x")
+    best = min(loongs, key=lambda r: med[id(r)])
+    ratio = med[id(ref)] / med[id(best)]
+    print(f"loong / {ref.name.split(' ')[0]} samples/s: {ratio:.2f}x ({best.name})")
+    variants: dict[str, list[float]] = {}
+    for r in loongs:
+        variants.setdefault(r.name.split(" #")[0], []).append(med[id(r)])
+    for name, times in variants.items():
+        print(f"variant {name}: rounds {' '.join(f'{t:.3f}' for t in times)} s, median "
+              f"{statistics.median(times):.3f} s, {med[id(ref)] / statistics.median(times):.2f}x")  # fmt: skip
+    return {"loong_samples_per_s": batch / med[id(best)], "reference_samples_per_s": batch / med[id(ref)],
+            "ratio": ratio, "steps_compared": len(best.step_times) - warmup,
+            "variants": {k: {"step_s": v, "ratio": med[id(ref)] / statistics.median(v)} for k, v in variants.items()}}  # fmt: skip
+
+
+def loong_runs(args, overrides: list[str], tmp: Path) -> list[Row]:
+    """Each ``--variant`` (default: one, named loong) ``--rounds`` times, in turn."""
+    variants = [(v[0], v[1:]) for v in args.variant] or [("loong", [])]
+    if len({name for name, _ in variants}) != len(variants):
+        raise SystemExit(f"--variant names must differ: {[name for name, _ in variants]}")
+    rows = []
+    for rnd in range(args.rounds):
+        for name, extra in variants:
+            row = run_loong(args, overrides + extra, tmp / f"{name}-{rnd}")
+            row.name = f"{name} #{rnd + 1} (train app)" if args.variant else f"{row.name} #{rnd + 1}"
+            rows.append(row)
+            # each run's figure as soon as it is known (a run cut short by a time limit keeps them)
+            print(f"   {row.name}: median step {statistics.median(row.step_times[args.warmup:]):.3f} s", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -231,6 +265,9 @@ def main() -> None:
     p.add_argument("--reference", default="lerobot", choices=["lerobot", "transcription"])
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--loong-extra", nargs="*", default=[], help="more train-app overrides for both sides")
+    p.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME_THEN_OVERRIDES",
+                   help="a Loong configuration: a name, then train-app overrides (Loong side only); repeatable")
+    p.add_argument("--rounds", type=int, default=1, help="run the Loong variants this many times in turn")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--overrides", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -240,10 +277,11 @@ def main() -> None:
         raise SystemExit(f"--steps={args.steps} must exceed --warmup={args.warmup}")
     overrides = train_overrides(args)
     with tempfile.TemporaryDirectory() as tmp:
-        loong = run_loong(args, overrides, Path(tmp) / "loong")
+        loongs = loong_runs(args, overrides, Path(tmp))
     ref = run_reference(args, overrides)
-    check_same_data(loong, ref)
-    figures = report(loong, ref, args.warmup, args.batch)
+    for loong in loongs:
+        check_same_data(loong, ref)
+    figures = report(loongs, ref, args.warmup, args.batch)
     if args.json:
         args.json.write_text(json.dumps(figures))
 

@@ -14,18 +14,23 @@ sys.path.insert(0, str(BENCH))
 from pi05_throughput import Row, check_same_data  # noqa: E402
 
 
-def test_pi05_bench_trains_both_stacks_on_the_same_samples_and_reports_the_ratio(tmp_path):
+def test_pi05_bench_trains_both_stacks_on_the_same_samples_and_reports_the_ratio_per_variant(tmp_path):
     out = tmp_path / "figures.json"
     cmd = [sys.executable, str(BENCH / "pi05_throughput.py"), "--model", "pi05-tiny", "--device", "cpu",
-           "--reference", "transcription", "--steps", "3", "--warmup", "1", "--batch", "2", "--json", str(out)]  # fmt: skip
+           "--reference", "transcription", "--steps", "3", "--warmup", "1", "--batch", "2", "--json", str(out),
+           "--variant", "eager", "model.embodied.attention_impl=eager"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "dtype bfloat16" in proc.stdout  # Loong trained at the precision asked for
+    assert "model.embodied.attention_impl=eager" in proc.stdout  # the variant's overrides reached its run
+    assert "eager #1 (train app): median step" in proc.stdout
     figures = json.loads(out.read_text())
     assert figures["steps_compared"] == 2
     assert figures["loong_samples_per_s"] > 0 and figures["reference_samples_per_s"] > 0
     ratio = figures["loong_samples_per_s"] / figures["reference_samples_per_s"]
     assert figures["ratio"] == pytest.approx(ratio)
+    assert list(figures["variants"]) == ["eager"]  # one round: the variant's ratio is its run's
+    assert figures["variants"]["eager"]["ratio"] == pytest.approx(ratio)
 
 
 def test_pi05_bench_refuses_stacks_that_trained_different_samples():
