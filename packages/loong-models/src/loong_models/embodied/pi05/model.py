@@ -28,7 +28,7 @@ from loong_models.embodied.pi05.siglip import SiglipTower
 from loong_models.host import to_device
 
 # the activation dtypes whose rounded embedding normaliser the policy keeps
-EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # model.embodied.compile_scope -> the Pi05Policy method that compiles it
 COMPILERS = {"per_layer": "compile_layers", "policy": "compile_policy"}
 
@@ -68,8 +68,9 @@ class Pi05Policy(nn.Module):
         self.time_mlp_in = nn.Linear(e.width, e.width)
         self.time_mlp_out = nn.Linear(e.width, e.width)
         # Gemma's embedding normaliser rounded to each activation dtype (as HF Gemma), kept as Python
-        # scalars: neither a host-to-device copy mid-forward nor a graph break under torch.compile
-        self._embed_scale = {dt: torch.tensor(v.width**0.5, dtype=dt).item() for dt in EMBED_DTYPES}
+        # scalars (on the host, also when the policy is built on the meta device): neither a
+        # host-to-device copy mid-forward nor a graph break under torch.compile
+        self._embed_scale = {dt: torch.tensor(v.width**0.5, dtype=dt, device="cpu").item() for dt in EMBED_DTYPES}
         self._freeze()
         if cfg.compile_scope != "none":
             getattr(self, COMPILERS[cfg.compile_scope])()
