@@ -15,6 +15,14 @@ the steps after warm-up.
 
     python bench/pi05_throughput.py                          # full shape, batch 8, 20 steps
     python bench/pi05_throughput.py --batch 4 --steps 30 --warmup 5
+    python bench/pi05_throughput.py --batch 4 --rounds 2 --variant base --variant whole \
+        model.embodied.compile_scope=policy                  # A, B, LeRobot, A, B, LeRobot
+
+``--variant NAME [OVERRIDES...]`` (repeatable) runs several Loong configurations (each its own
+train-app run, on top of ``--loong-extra``) in one invocation; ``--rounds N`` repeats (every
+variant, then the reference) N times, alternating the stacks on the same samples. The table has
+each run's median and its round's ratio; the headline is the ratio of the per-stack medians over
+the steps of all rounds (step times on a lent GPU swing by 25-40% between runs).
 
 Before any figure the script asserts that both sides trained on the same data at every step: the
 same sample count and the same digest of prompt tokens, actions and sample ids (each side counts
@@ -209,15 +217,59 @@ def check_same_data(a: Row, b: Row) -> None:
             raise SystemExit(f"{a.name!r} and {b.name!r} trained different data at step {step}: {x} != {y}")
 
 
-def report(loong: Row, ref: Row, warmup: int, batch: int) -> dict:
-    med = {r.name: statistics.median(r.step_times[warmup:]) for r in (loong, ref)}
-    print(f"{'stack':<42} {'step s (med)':>12} {'samples/s':>10} {'peak GiB':>9}")
-    for r in (loong, ref):
-        print(f"{r.name:<42} {med[r.name]:12.3f} {batch / med[r.name]:10.2f} {r.peak_gib:9.1f}")
-    ratio = med[ref.name] / med[loong.name]
-    print(f"loong / {ref.name.split(' ')[0]} samples/s: {ratio:.2f}x")
-    return {"loong_samples_per_s": batch / med[loong.name], "reference_samples_per_s": batch / med[ref.name],
-            "ratio": ratio, "steps_compared": len(loong.step_times) - warmup}  # fmt: skip
+def report(rounds: list[dict[str, Row]], ref_name: str, warmup: int, batch: int) -> dict:
+    """``rounds``: per round, the stack name -> its run (the Loong variants, then ``ref_name``).
+    Prints one row per run with the round's ratio to the reference, then per stack the median over
+    the steps of all its rounds; the headline is the reference's median over the fastest variant's."""
+    med = lambda times: statistics.median(times)  # noqa: E731
+    print(f"{'run':<44} {'step s (med)':>12} {'samples/s':>10} {'peak GiB':>9} {'round ratio':>11}")
+    for i, runs in enumerate(rounds, 1):
+        ref_med = med(runs[ref_name].step_times[warmup:])
+        for name, r in runs.items():
+            m = med(r.step_times[warmup:])
+            print(f"{name + f' #{i}':<44} {m:12.3f} {batch / m:10.2f} {r.peak_gib:9.1f} {ref_med / m:10.2f}x")
+    pooled = {name: med([t for runs in rounds for t in runs[name].step_times[warmup:]]) for name in rounds[0]}
+    loong = {name: t for name, t in pooled.items() if name != ref_name}
+    for name, t in pooled.items():
+        print(f"{name}: median over {len(rounds)} round(s) {t:.3f} s, {batch / t:.2f} samples/s"
+              + ("" if name == ref_name else f", {pooled[ref_name] / t:.2f}x"))  # fmt: skip
+    best = min(loong, key=loong.get)
+    ratio = pooled[ref_name] / loong[best]
+    print(f"loong / {ref_name.split(' ')[0]} samples/s: {ratio:.2f}x ({best}, medians over all rounds)")
+    variants = {name: {"step_s": t, "ratio": pooled[ref_name] / t,
+                       "round_ratios": [med(r[ref_name].step_times[warmup:]) / med(r[name].step_times[warmup:])
+                                        for r in rounds]} for name, t in loong.items()}  # fmt: skip
+    return {"loong_samples_per_s": batch / loong[best], "reference_samples_per_s": batch / pooled[ref_name],
+            "ratio": ratio, "best": best, "steps_compared": len(rounds[0][best].step_times) - warmup,
+            "rounds": len(rounds), "variants": variants}  # fmt: skip
+
+
+def run_rounds(args, overrides: list[str], tmp: Path) -> tuple[list[dict[str, Row]], str]:
+    """``--rounds`` rounds, each: every ``--variant`` (default: one Loong config) in turn, then the
+    reference, all on the same samples (checked). Returns the rounds and the reference's name."""
+    variants = [(v[0], v[1:]) for v in args.variant] or [("loong (train app, megatron DDP)", [])]
+    names = [name for name, _ in variants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--variant names must differ: {names}")
+    rounds = []
+    for rnd in range(args.rounds):
+        runs = {}
+        for name, extra in variants:
+            runs[name] = run_loong(args, overrides + extra, tmp / f"loong-{len(runs)}-{rnd}")
+            _progress(runs[name], f"{name} #{rnd + 1}", args.warmup)
+        ref = run_reference(args, overrides)
+        _progress(ref, f"{ref.name} #{rnd + 1}", args.warmup)
+        for row in runs.values():
+            check_same_data(row, ref)
+        if ref.name in runs:
+            raise SystemExit(f"--variant name {ref.name!r} is the reference's")
+        rounds.append({**runs, ref.name: ref})
+    return rounds, ref.name
+
+
+def _progress(row: Row, label: str, warmup: int) -> None:
+    # each run's figure as soon as it is known (a command cut short by a time limit keeps them)
+    print(f"   {label}: median step {statistics.median(row.step_times[warmup:]):.3f} s", flush=True)
 
 
 def main() -> None:
@@ -231,6 +283,10 @@ def main() -> None:
     p.add_argument("--reference", default="lerobot", choices=["lerobot", "transcription"])
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--loong-extra", nargs="*", default=[], help="more train-app overrides for both sides")
+    p.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME_THEN_OVERRIDES",
+                   help="a Loong configuration: a name, then train-app overrides (Loong side only); repeatable")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of (every Loong variant, then the reference), each a fresh run on the same samples")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--overrides", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -240,10 +296,8 @@ def main() -> None:
         raise SystemExit(f"--steps={args.steps} must exceed --warmup={args.warmup}")
     overrides = train_overrides(args)
     with tempfile.TemporaryDirectory() as tmp:
-        loong = run_loong(args, overrides, Path(tmp) / "loong")
-    ref = run_reference(args, overrides)
-    check_same_data(loong, ref)
-    figures = report(loong, ref, args.warmup, args.batch)
+        rounds, ref_name = run_rounds(args, overrides, Path(tmp))
+    figures = report(rounds, ref_name, args.warmup, args.batch)
     if args.json:
         args.json.write_text(json.dumps(figures))
 

@@ -10,7 +10,7 @@ from loong_models import load_model_config
 from loong_models.embodied import Pi05Policy
 from loong_models.embodied.pi05 import attention_mask, sample_time
 from loong_models.embodied.pi05.layers import attention
-from loong_models.embodied.pi05.model import real_dims
+from loong_models.embodied.pi05.model import COMPILERS, real_dims
 
 TINY = load_model_config("pi05-tiny").embodied
 
@@ -52,7 +52,7 @@ def test_config_errors_name_the_key():
         ValueError, match="model.embodied.expert.head_dim=32 must equal model.embodied.vlm.head_dim=16"
     ):
         load_model_config("pi05-tiny", ["embodied.expert.head_dim=32"])
-    with pytest.raises(ValueError, match="model.embodied.compile_scope='all'; allowed: none, per_layer"):
+    with pytest.raises(ValueError, match="model.embodied.compile_scope='all'; allowed: none, per_layer, policy"):
         load_model_config("pi05-tiny", ["embodied.compile_scope=all"])
     with pytest.raises(ValueError, match="model.embodied.attention_impl='flash'; allowed: sdpa, eager"):
         load_model_config("pi05-tiny", ["embodied.attention_impl=flash"])
@@ -68,7 +68,8 @@ def test_eager_attention_equals_sdpa_with_shared_kv_heads_and_a_padded_query_row
     torch.testing.assert_close(attention(q, k, v, mask, "eager"), expect, rtol=1e-5, atol=1e-6)
 
 
-def test_a_policy_with_eager_attention_and_compiled_layers_trains_like_the_eager_sdpa_policy():
+@pytest.mark.parametrize("compile_scope", ["per_layer", "policy"])
+def test_a_policy_with_eager_attention_and_compiled_layers_trains_like_the_eager_sdpa_policy(compile_scope):
     batch = {"images": torch.rand(2, 1, 3, 64, 64) * 2 - 1, "image_masks": torch.ones(2, 1, dtype=torch.bool),
              "tokens": torch.randint(0, 100, (2, 12)), "token_mask": torch.arange(12).expand(2, -1) < torch.tensor([[12], [7]]),
              "actions": torch.randn(2, TINY.chunk_size, TINY.max_action_dim)}  # fmt: skip
@@ -77,9 +78,9 @@ def test_a_policy_with_eager_attention_and_compiled_layers_trains_like_the_eager
     ref = Pi05Policy(TINY)
     fast = Pi05Policy(dataclasses.replace(TINY, attention_impl="eager"))
     fast.load_state_dict(ref.state_dict())
-    # compile_scope=per_layer's code path; aot_eager traces (dynamo) and splits forward/backward
+    # the compile_scope's code path; aot_eager traces (dynamo) and splits forward/backward
     # (AOT autograd) as inductor does, without the minutes of C++ code generation on a CPU
-    fast.compile_layers(backend="aot_eager")
+    getattr(fast, COMPILERS[compile_scope])(backend="aot_eager")
     assert fast.state_dict().keys() == ref.state_dict().keys()
     losses = [p.flow_loss(batch, noise, time).mean() for p in (ref, fast)]
     for loss in losses:

@@ -71,6 +71,10 @@ def test_a_non_finite_step_changes_nothing_and_the_next_one_trains(setup, poison
     before, steps_before = _weights(chunks), scheduler.num_steps
     bad = _step(setup, poison)
     assert bad.skipped and bad.nonfinite
+    # a NaN gradient with a finite loss is caught by the optimizer's own gradient norm (no second
+    # pass over the gradients), whose wrappers are gone after the step
+    assert poison == "loss" or (bad.grad_norm is not None and bad.grad_norm != bad.grad_norm)
+    assert not {"get_grad_norm", "step_with_ready_grads"} & vars(optimizer).keys()
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(chunks))), "a skipped step changed the weights"
     assert scheduler.num_steps == steps_before, "a skipped step advanced the LR schedule"
     good = _step(setup, None)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
@@ -113,15 +113,53 @@ def train_step(
         )
     lr = optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler then sets the next one)
     loss, count = _global_loss(outputs, device)
-    nonfinite = not math.isfinite(loss) or not _grads_finite(chunks, device)
+    # never let NaN / Inf into the weights or the optimizer's moments
+    guarded = _norm_guards_update(optimizer, chunks)
+    nonfinite = not math.isfinite(loss) or (not guarded and not _grads_finite(chunks, device))
     ok, grad_norm = False, None
-    if not nonfinite:  # never let NaN / Inf into the weights or the optimizer's moments
-        ok, grad_norm, _ = optimizer.step()
+    if not nonfinite:
+        with _skip_update_on_nonfinite_norm(optimizer) if guarded else _no_timing():
+            ok, grad_norm, _ = optimizer.step()
         nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
     if ok:
         scheduler.step(increment=1)
     return StepResult(loss, count, float(grad_norm) if grad_norm is not None else None, lr, not ok,
                       timing.get("compute_s"), nonfinite)
+
+
+def _norm_guards_update(optimizer: MegatronOptimizer, chunks: list[torch.nn.Module]) -> bool:
+    """Whether the optimizer's own gradient norm can serve as the finiteness check: megatron's
+    ChainedOptimizer (what get_megatron_optimizer builds) computes the global norm of every gradient
+    it steps before clipping, and a NaN / Inf gradient makes it non-finite. Then no second pass
+    over the gradients (and no second host sync) runs before the step. Not with fp16 loss scaling,
+    where megatron finds overflows itself."""
+    return isinstance(optimizer, ChainedOptimizer) and not get_model_config(chunks[0]).fp16
+
+
+@contextmanager
+def _skip_update_on_nonfinite_norm(optimizer: ChainedOptimizer):
+    """For one ``optimizer.step()``: the update (``step_with_ready_grads``) runs only if the norm
+    that the step computed (``get_grad_norm``, all-reduced: the same on every rank) is finite.
+    megatron itself would step (its ``grad_norm_skip_threshold`` compares with ``>``, false for
+    NaN; clipping by a NaN norm leaves the gradients as they are). The wrappers are attributes of
+    this optimizer object only, removed again on exit."""
+    norms: list[float] = []
+    get_norm, update = optimizer.get_grad_norm, optimizer.step_with_ready_grads
+
+    def recorded_norm():
+        norms.append(get_norm())
+        return norms[-1]
+
+    def update_if_finite() -> bool:
+        if len(norms) != 1:
+            raise RuntimeError(f"megatron's optimizer step computed {len(norms)} gradient norms, expected one")
+        return update() if math.isfinite(norms[0]) else False
+
+    optimizer.get_grad_norm, optimizer.step_with_ready_grads = recorded_norm, update_if_finite
+    try:
+        yield
+    finally:
+        del optimizer.get_grad_norm, optimizer.step_with_ready_grads
 
 
 def _grads_finite(chunks: list[torch.nn.Module], device: torch.device) -> bool:

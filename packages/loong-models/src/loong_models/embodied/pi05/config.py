@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COMPILE_SCOPES = ("none", "per_layer")
+COMPILE_SCOPES = ("none", "per_layer", "policy")
 ATTENTION_IMPLS = ("sdpa", "eager")
 
 
@@ -100,8 +100,9 @@ class Pi05Config:
     max_period: float = 4.0
     freeze_vision_encoder: bool = False
     train_expert_only: bool = False
-    # torch.compile scope (LoongForge's key): "none" (eager) or "per_layer" (each SigLIP layer and
+    # torch.compile scope (LoongForge's key): "none" (eager), "per_layer" (each SigLIP layer and
     # each joint layer compiled; the layers of a kind share one compiled graph, so compiling is quick)
+    # or "policy" (the whole training loss in one graph: fewer host launches, a longer compile)
     compile_scope: str = "none"
     # the joint attention: "sdpa" (torch's kernels) or "eager" (matmuls + fp32 softmax; faster on
     # CUDA at Pi0.5's shape, where SDPA with a mask falls back to its memory-efficient kernel)

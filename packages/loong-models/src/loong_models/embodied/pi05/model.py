@@ -27,6 +27,11 @@ from loong_models.embodied.pi05.layers import AdaRMSNorm, GemmaRMSNorm, JointLay
 from loong_models.embodied.pi05.siglip import SiglipTower
 from loong_models.host import to_device
 
+# the activation dtypes whose rounded embedding normaliser the policy keeps
+EMBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# model.embodied.compile_scope -> the Pi05Policy method that compiles it
+COMPILERS = {"per_layer": "compile_layers", "policy": "compile_policy"}
+
 
 def attention_mask(pad: torch.Tensor, block_starts: torch.Tensor) -> torch.Tensor:
     """[B, S, S] boolean: token j is visible to token i when both are real and j's block (the
@@ -62,9 +67,13 @@ class Pi05Policy(nn.Module):
         self.action_out_proj = nn.Linear(e.width, cfg.max_action_dim)
         self.time_mlp_in = nn.Linear(e.width, e.width)
         self.time_mlp_out = nn.Linear(e.width, e.width)
+        # Gemma's embedding normaliser rounded to each activation dtype (as HF Gemma), kept as Python
+        # scalars (on the host, also when the policy is built on the meta device): neither a
+        # host-to-device copy mid-forward nor a graph break under torch.compile
+        self._embed_scale = {dt: torch.tensor(v.width**0.5, dtype=dt, device="cpu").item() for dt in EMBED_DTYPES}
         self._freeze()
-        if cfg.compile_scope == "per_layer":
-            self.compile_layers()
+        if cfg.compile_scope != "none":
+            getattr(self, COMPILERS[cfg.compile_scope])()
 
     def compile_layers(self, **compile_kwargs) -> None:
         """torch.compile each SigLIP layer and each joint layer in place (parameter names and the
@@ -72,6 +81,14 @@ class Pi05Policy(nn.Module):
         whose output is unused (the last VLM block's MLP) then gets a zero gradient, not None."""
         for layer in [*self.vision.layers, *self.layers]:
             layer.compile(**compile_kwargs)
+
+    def compile_policy(self, **compile_kwargs) -> None:
+        """torch.compile the whole training loss (compile_scope=policy): the vision tower, every
+        joint layer and the flow head in one forward graph and one backward graph. Pi0.5's training
+        shapes are fixed, so it compiles once; the host then launches the generated kernels instead
+        of running dozens of compiled layers' wrappers (the full-shape step is host-bound). Longer to
+        compile than per_layer (every layer is traced); the parameters and state dict stay as they are."""
+        self.flow_loss = torch.compile(self.flow_loss, **compile_kwargs)
 
     def _freeze(self) -> None:
         frozen = []
@@ -95,10 +112,7 @@ class Pi05Policy(nn.Module):
             embs.append(feats)
             pads.append(image_masks[:, cam : cam + 1].expand(-1, feats.shape[1]))
         tokens = self.embed_tokens(batch["tokens"])
-        # Gemma's normaliser rounded to the embeddings' dtype (as HF Gemma), applied as a Python
-        # scalar: a device tensor built from the host would be a blocking copy (a stream sync) in
-        # the middle of the forward
-        embs.append(tokens * torch.tensor(self.cfg.vlm.width**0.5, dtype=tokens.dtype).item())
+        embs.append(tokens * self._embed_scale[tokens.dtype])
         pads.append(batch["token_mask"].bool())
         return torch.cat(embs, dim=1), torch.cat(pads, dim=1)
 
