@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import loong_parallel.context_parallel as cp_rules
 from loong_ckpt.run_dir import ResumeSchedule
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
@@ -171,28 +172,11 @@ def _context_parallel_errors(cfg: Config) -> list[str]:
     f, d = cfg.model.foundation, cfg.data
     if cfg.model.is_diffusion:
         return _diffusion_context_parallel_errors(cfg)
+    e = cfg.model.image_encoder
     return context_parallel_conflicts(cfg.parallel, seq_length=d.seq_length, features={
-        "model.foundation.sparse_attention (DeepSeek sparse attention: Loong's DSAttention has no context-parallel "
-        "path, and megatron-core 0.19's runs CP only with cp_comm_type=allgather, which parallel.cp_comm_type "
-        "does not offer)": f.sparse_attention is not None,
-        **_multimodal_context_parallel_conflicts(cfg),
+        f"model.foundation.sparse_attention ({cp_rules.DSA_CP_REASON})": f.sparse_attention is not None,
+        **(cp_rules.encoder_context_parallel_conflicts(cfg.parallel, e.tensor_model_parallel_size) if e else {}),
     })  # fmt: skip
-
-
-def _multimodal_context_parallel_conflicts(cfg: Config) -> dict[str, bool]:
-    """A VLM under CP: every CP rank encodes all images of its micro-batch with the shared
-    encoder (at the foundation's TP size) before the sequence is cut; the parallel encoder
-    layouts split images over ranks that CP would split again."""
-    p, e = cfg.parallel, cfg.model.image_encoder
-    if e is None:
-        return {}
-    etp = e.tensor_model_parallel_size
-    return {
-        f"parallel.encoder_layout={p.encoder_layout} (use shared: every CP rank encodes its micro-batch's images)":
-            str(p.encoder_layout) != "shared",
-        f"model.image_encoder.tensor_model_parallel_size={etp} (an encoder TP size other than parallel.tp={p.tp}; "
-        "use null)": etp is not None and etp != p.tp,
-    }  # fmt: skip
 
 
 def _diffusion_context_parallel_errors(cfg: Config) -> list[str]:

@@ -64,3 +64,20 @@ def context_parallel_conflicts(pcfg, *, seq_length: int, features: dict[str, boo
             f"{multiple} (every sequence is cut into {cut})"
         )
     return errors
+
+
+# Why DeepSeek sparse attention cannot run under CP (the train app's refusal names it).
+DSA_CP_REASON = ("DeepSeek sparse attention: Loong's DSAttention has no context-parallel path, and megatron-core "
+                 "0.19's runs CP only with cp_comm_type=allgather, which parallel.cp_comm_type does not offer")
+
+
+def encoder_context_parallel_conflicts(pcfg, encoder_tp: int | None) -> dict[str, bool]:
+    """A VLM under CP: every CP rank encodes all images of its micro-batch with the shared encoder
+    (at the foundation's TP size) before the sequence is cut; the parallel encoder layouts split
+    images over ranks that CP would split again. Maps each refused setting to whether it is set."""
+    return {
+        f"parallel.encoder_layout={pcfg.encoder_layout} (use shared: every CP rank encodes its micro-batch's images)":
+            str(pcfg.encoder_layout) != "shared",
+        f"model.image_encoder.tensor_model_parallel_size={encoder_tp} (an encoder TP size other than "
+        f"parallel.tp={pcfg.tp}; use null)": encoder_tp is not None and encoder_tp != pcfg.tp,
+    }  # fmt: skip
