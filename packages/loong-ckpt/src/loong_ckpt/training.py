@@ -355,7 +355,7 @@ def retain(root: Path, keep_last: int, *, verified: Path) -> list[Path]:
 _EXTRA_STATE = "_extra_state"
 
 
-def _use_stored_names(template: dict[str, Any], path: Path) -> int:
+def _use_stored_names(template: dict[str, Any], stored: dict[str, Any]) -> int:
     """Where megatron's local and TE specs give a tensor different keys (MLA's latent norms, the
     pre-MLP norm of MoE layers: the mapping's rule aliases), load it under the name the checkpoint
     has, so a checkpoint written with one spec (``loong-convert`` builds the local one) loads into
@@ -364,10 +364,8 @@ def _use_stored_names(template: dict[str, Any], path: Path) -> int:
 
     from loong_ckpt.families import key_aliases
     from loong_ckpt.mapping import layer_key, rule_key
-    from loong_ckpt.mcore_io import read_metadata
 
     aliases = key_aliases()
-    stored = set(read_metadata(path))
     renamed = 0
 
     def visit(node: Any) -> None:
@@ -388,16 +386,13 @@ def _use_stored_names(template: dict[str, Any], path: Path) -> int:
     return renamed
 
 
-def _check_shapes(template: dict[str, Any], path: Path) -> None:
+def _check_shapes(template: dict[str, Any], stored: dict[str, Any], path: Path) -> None:
     """Refuse, in one line naming the tensors, a checkpoint whose tensors have other global shapes
     than the model's (another width, vocabulary or padding: e.g. a VLM checkpoint written before
     the ViT MLP was padded needs ``model.image_encoder.pad_ffn_to=1``). megatron would otherwise
     fail deep inside its load with a message that names no setting."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from loong_ckpt.mcore_io import read_metadata
-
-    stored = read_metadata(path)
     wrong: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def visit(node: Any) -> None:
@@ -467,6 +462,8 @@ def load_checkpoint(
     just did, e.g. :func:`newest_verified_checkpoint`), and nothing in them is run as code."""
     from megatron.core import dist_checkpointing
 
+    from loong_ckpt.mcore_io import read_metadata
+
     info = read_checkpoint_info(path)
     if verify:
         verify_checkpoint(info)
@@ -477,8 +474,9 @@ def load_checkpoint(
         raise ValueError(f"{info.path} holds only trainable parameters (e.g. LoRA adapters), not the "
                          f"{part} ones; load the base weights from the checkpoint it names")  # fmt: skip
     template = _model_sharded_state_dict(chunks, part)
-    _use_stored_names(template, info.path)
-    _check_shapes(template, info.path)
+    stored = read_metadata(info.path)  # tensor key -> global size: one read for renaming and checking
+    _use_stored_names(template, stored)
+    _check_shapes(template, stored, info.path)
     if optimizer is not None:
         model_sd = dict(template)
         template["optimizer"] = optimizer.sharded_state_dict(
