@@ -20,7 +20,8 @@ the steps after warm-up.
 
 ``--variant NAME [OVERRIDES...]`` (repeatable) runs several Loong configurations (each its own
 train-app run, on top of ``--loong-extra``) in one invocation; ``--rounds N`` repeats (every
-variant, then the reference) N times, alternating the stacks on the same samples. The table has
+variant, then the reference) N times, alternating the stacks on the same samples. A variant whose
+run fails is named with its error and left out of every round; the others go on. The table has
 each run's median and its round's ratio; the headline is the ratio of the per-stack medians over
 the steps of all rounds (step times on a lent GPU swing by 25-40% between runs).
 
@@ -254,8 +255,17 @@ def run_rounds(args, overrides: list[str], tmp: Path) -> tuple[list[dict[str, Ro
     rounds = []
     for rnd in range(args.rounds):
         runs = {}
-        for name, extra in variants:
-            runs[name] = run_loong(args, overrides + extra, tmp / f"loong-{len(runs)}-{rnd}")
+        for name, extra in list(variants):
+            try:
+                runs[name] = run_loong(args, overrides + extra, tmp / f"loong-{len(runs)}-{rnd}")
+            except SystemExit as e:  # one lever that cannot run must not cost the others' figures
+                if len(variants) == 1:
+                    raise
+                print(f"   {name} #{rnd + 1}: {e}; variant {name!r} left out of every round", flush=True)
+                variants.remove((name, extra))
+                for earlier in rounds:
+                    earlier.pop(name, None)
+                continue
             _progress(runs[name], f"{name} #{rnd + 1}", args.warmup)
         ref = run_reference(args, overrides)
         _progress(ref, f"{ref.name} #{rnd + 1}", args.warmup)

@@ -18,12 +18,15 @@ def test_pi05_bench_trains_both_stacks_on_the_same_samples_and_reports_the_ratio
     out = tmp_path / "figures.json"
     cmd = [sys.executable, str(BENCH / "pi05_throughput.py"), "--model", "pi05-tiny", "--device", "cpu",
            "--reference", "transcription", "--steps", "3", "--warmup", "1", "--batch", "2", "--json", str(out),
-           "--variant", "eager", "model.embodied.attention_impl=eager"]  # fmt: skip
+           "--variant", "eager", "model.embodied.attention_impl=eager",
+           "--variant", "broken", "model.embodied.compile_mode=graphs"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "dtype bfloat16" in proc.stdout  # Loong trained at the precision asked for
     assert "model.embodied.attention_impl=eager" in proc.stdout  # the variant's overrides reached its run
     assert "eager #1: median step" in proc.stdout
+    # a variant that cannot run is named and left out; the others' figures stand
+    assert "variant 'broken' left out of every round" in proc.stdout
     figures = json.loads(out.read_text())
     assert figures["steps_compared"] == 2
     assert figures["loong_samples_per_s"] > 0 and figures["reference_samples_per_s"] > 0

@@ -54,6 +54,8 @@ def test_config_errors_name_the_key():
         load_model_config("pi05-tiny", ["embodied.expert.head_dim=32"])
     with pytest.raises(ValueError, match="model.embodied.compile_scope='all'; allowed: none, per_layer, policy"):
         load_model_config("pi05-tiny", ["embodied.compile_scope=all"])
+    with pytest.raises(ValueError, match="model.embodied.compile_mode='graphs'; allowed: default, reduce-overhead, "):
+        load_model_config("pi05-tiny", ["embodied.compile_mode=graphs"])
     with pytest.raises(ValueError, match="model.embodied.attention_impl='flash'; allowed: sdpa, eager"):
         load_model_config("pi05-tiny", ["embodied.attention_impl=flash"])
 

@@ -221,11 +221,15 @@ class Trainer:
         self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from, config=self.cfg,
                                   tokens_per_step=t.global_batch_size * self.cfg.data.seq_length)  # fmt: skip
         self.nonfinite = NonFiniteGuard(t.nonfinite_limit)
+        self._last_step_end: float | None = None
         self._log_start()
 
     def step(self, step: int) -> StepResult:
-        """One optimizer step on the next global batch."""
-        t0 = time.perf_counter()
+        """One optimizer step on the next global batch. Its time: since the previous step ended
+        (the first, and the first after an evaluation or a save: since it began), so that the
+        step times add up to the training wall time also when the steps queue back to back
+        (``train.sync_steps=false``)."""
+        t0 = self._last_step_end or time.perf_counter()
         mbs = next(self.batches)
         sync = self.accel.synchronize if self.balancer else None  # the balancer learns from compute times
         result = train_step(self.forward_step, microbatch_iterators(mbs, len(self.chunks)), self.chunks, self.optimizer,
@@ -233,10 +237,12 @@ class Trainer:
                             **schedule_shape(mbs))  # fmt: skip
         if self.balancer:
             self.balancer.observe(mbs, result.compute_s)
-        self.accel.synchronize()
+        if self.cfg.train.sync_steps:
+            self.accel.synchronize()
         counts: StepCounts = self.data.counts(mbs, result.num_tokens)
         flops = self.model.flops(counts, seq_length=self.cfg.data.seq_length)
-        self.window.add(counts, flops, step_time=time.perf_counter() - t0)
+        self._last_step_end = time.perf_counter()
+        self.window.add(counts, flops, step_time=self._last_step_end - t0)
         return result
 
     def evaluate(self, step: int) -> float:
@@ -274,9 +280,11 @@ class Trainer:
         t = self.cfg.train
         if t.eval_interval and t.eval_iters and step % t.eval_interval == 0:
             self.evaluate(step)
+            self._last_step_end = None  # an evaluation is no training step's time
         want_export = t.export_hf and t.export_hf_interval and step % t.export_hf_interval == 0
         if want_export or (t.save_interval and step % t.save_interval == 0):
             self.save(step)
+            self._last_step_end = None
             if want_export:
                 self.export(step)
 

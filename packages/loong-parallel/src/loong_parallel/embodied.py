@@ -30,6 +30,9 @@ def policy_forward_step(device: torch.device, data_iterator, model, return_sched
     """megatron's ``forward_step_func``: the flow-matching loss summed over the micro-batch's
     samples, chunk steps and real action dims, with its element count (the global mean then
     weighs every element the same whatever the DP or micro-batch split)."""
+    # a new iteration for the CUDA graphs of compiled layers (model.embodied.compile_mode=
+    # reduce-overhead): the previous micro-batch's backward has run, its graphs' outputs are dead
+    torch.compiler.cudagraph_mark_step_begin()
     # the policy reads the sample ids and the action-dim mask on the host: they stay there
     batch = {
         k: v if k in HOST_KEYS else v.to(device, non_blocking=True) for k, v in next(data_iterator).items()

@@ -118,13 +118,16 @@ def train_step(
     nonfinite = not math.isfinite(loss) or (not guarded and not _grads_finite(chunks, device))
     ok, grad_norm = False, None
     if not nonfinite:
-        with _skip_update_on_nonfinite_norm(optimizer) if guarded else _no_timing():
+        norms: list[float] = []
+        with _skip_update_on_nonfinite_norm(optimizer, norms) if guarded else _no_timing():
             ok, grad_norm, _ = optimizer.step()
+        # megatron's norm is a device tensor: reading it after the step would wait for the whole
+        # update; the guard read it (a float) before the update was queued
+        grad_norm = norms[0] if norms else (float(grad_norm) if grad_norm is not None else None)
         nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
     if ok:
         scheduler.step(increment=1)
-    return StepResult(loss, count, float(grad_norm) if grad_norm is not None else None, lr, not ok,
-                      timing.get("compute_s"), nonfinite)
+    return StepResult(loss, count, grad_norm, lr, not ok, timing.get("compute_s"), nonfinite)
 
 
 def _norm_guards_update(optimizer: MegatronOptimizer, chunks: list[torch.nn.Module]) -> bool:
@@ -137,18 +140,19 @@ def _norm_guards_update(optimizer: MegatronOptimizer, chunks: list[torch.nn.Modu
 
 
 @contextmanager
-def _skip_update_on_nonfinite_norm(optimizer: ChainedOptimizer):
+def _skip_update_on_nonfinite_norm(optimizer: ChainedOptimizer, norms: list[float]):
     """For one ``optimizer.step()``: the update (``step_with_ready_grads``) runs only if the norm
     that the step computed (``get_grad_norm``, all-reduced: the same on every rank) is finite.
     megatron itself would step (its ``grad_norm_skip_threshold`` compares with ``>``, false for
-    NaN; clipping by a NaN norm leaves the gradients as they are). The wrappers are attributes of
-    this optimizer object only, removed again on exit."""
-    norms: list[float] = []
+    NaN; clipping by a NaN norm leaves the gradients as they are). The norm, read on the host
+    before the update is queued, is appended to ``norms``. The wrappers are attributes of this
+    optimizer object only, removed again on exit."""
     get_norm, update = optimizer.get_grad_norm, optimizer.step_with_ready_grads
 
     def recorded_norm():
-        norms.append(get_norm())
-        return norms[-1]
+        norm = get_norm()  # megatron 0.19: a device tensor with TE's multi-tensor kernels, else a float
+        norms.append(float(norm))
+        return norm
 
     def update_if_finite() -> bool:
         if len(norms) != 1:

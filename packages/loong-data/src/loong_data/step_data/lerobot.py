@@ -93,11 +93,13 @@ class LeRobotStepData:
         )
         images = sum(int(b["image_masks"].sum()) for b in microbatches)
         samples = sum(int(b["actions"].shape[0]) for b in microbatches)
-        totals = torch.tensor(
-            [tokens, images, samples, lerobot_digest(microbatches)], device=self.layout.device
-        )
+        totals = [tokens, images, samples, lerobot_digest(microbatches)]
         if self.layout.dp_group is not None and self.layout.dp_size > 1:
-            torch.distributed.all_reduce(totals, group=self.layout.dp_group)
+            # summed over the DP ranks; reading the sum back waits for the device. One rank's counts
+            # stay on the host: a read-back there would wait for the step's optimizer update
+            reduced = torch.tensor(totals, device=self.layout.device)
+            torch.distributed.all_reduce(reduced, group=self.layout.dp_group)
+            totals = reduced.tolist()
         return StepCounts(tokens=int(totals[0]), images=int(totals[1]), samples=int(totals[2]),
                           digest=int(totals[3]) % 2**32)  # fmt: skip
 

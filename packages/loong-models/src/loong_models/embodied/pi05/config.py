@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 COMPILE_SCOPES = ("none", "per_layer", "policy")
+# torch.compile modes the compiled scope may take ("reduce-overhead": CUDA graphs of the compiled graphs)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 ATTENTION_IMPLS = ("sdpa", "eager")
 
 
@@ -104,6 +106,10 @@ class Pi05Config:
     # each joint layer compiled; the layers of a kind share one compiled graph, so compiling is quick)
     # or "policy" (the whole training loss in one graph: fewer host launches, a longer compile)
     compile_scope: str = "none"
+    # torch.compile's mode for that scope: "default", or "reduce-overhead" (each compiled forward and
+    # backward graph replayed as a CUDA graph: one launch instead of its kernels' launches; the
+    # host-bound full-shape step spends most of its host time launching them)
+    compile_mode: str = "default"
     # the joint attention: "sdpa" (torch's kernels) or "eager" (matmuls + fp32 softmax; faster on
     # CUDA at Pi0.5's shape, where SDPA with a mask falls back to its memory-efficient kernel)
     attention_impl: str = "sdpa"
@@ -112,6 +118,10 @@ class Pi05Config:
         if self.compile_scope not in COMPILE_SCOPES:
             raise ValueError(
                 f"{prefix}.compile_scope={self.compile_scope!r}; allowed: {', '.join(COMPILE_SCOPES)}"
+            )
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(
+                f"{prefix}.compile_mode={self.compile_mode!r}; allowed: {', '.join(COMPILE_MODES)}"
             )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(

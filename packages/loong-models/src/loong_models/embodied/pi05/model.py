@@ -73,7 +73,7 @@ class Pi05Policy(nn.Module):
         self._embed_scale = {dt: torch.tensor(v.width**0.5, dtype=dt, device="cpu").item() for dt in EMBED_DTYPES}
         self._freeze()
         if cfg.compile_scope != "none":
-            getattr(self, COMPILERS[cfg.compile_scope])()
+            getattr(self, COMPILERS[cfg.compile_scope])(mode=cfg.compile_mode)
 
     def compile_layers(self, **compile_kwargs) -> None:
         """torch.compile each SigLIP layer and each joint layer in place (parameter names and the
