@@ -2,7 +2,7 @@
 forward and backward nor after its optimizer update is queued, megatron's precision-aware
 optimizer (optim.precision_aware, optim.state_dtype) trains a tiny Pi0.5 in bf16 as the default
 optimizer does, and so do CUDA-graphed compiled layers / policy (model.embodied.compile_mode=
-reduce-overhead).
+reduce-overhead) and batched gradient accumulation (parallel.grad_accumulation=batched).
 
 Run on a CUDA machine with TE: ``pytest -m gpu packages/loong-parallel/tests/test_embodied_gpu.py``.
 """
@@ -29,9 +29,12 @@ pytestmark = [
 
 
 def _train(
-    tiny, batches, ocfg: OptimConfig, steps: int = 6
+    tiny, batches, ocfg: OptimConfig, steps: int = 6, accumulation: str = "hooks"
 ) -> tuple[list[float], torch.Tensor, torch.Tensor]:
-    kind, pcfg = EmbodiedPolicy(tiny), ParallelConfig(distributed_optimizer=True)
+    kind, pcfg = (
+        EmbodiedPolicy(tiny),
+        ParallelConfig(distributed_optimizer=True, grad_accumulation=accumulation),
+    )
     config = kind.transformer_config(pcfg, dtype=torch.bfloat16, device_type="cuda")
     torch.manual_seed(0)
     chunks = build_model_chunks(
@@ -126,3 +129,15 @@ def test_cuda_graphed_compiled_policy_trains_as_the_eager_one(megatron_cuda, tin
     assert not torch.equal(graphed_w, initial)
     assert graphed == pytest.approx(eager, rel=3e-2), (eager, graphed)
     torch.testing.assert_close(graphed_w, eager_w, rtol=5e-2, atol=5e-3)
+
+
+def test_batched_gradient_accumulation_trains_bit_for_bit_as_megatrons_hooks(
+    megatron_cuda, tiny_pi05, pi05_batches
+):
+    """parallel.grad_accumulation=batched: the same fp32 adds into main_grad in the same order,
+    one multi-tensor add per micro-batch instead of a Python hook and an add per parameter."""
+    common = OptimConfig(lr=1e-3, warmup_steps=0, clip_grad=1.0)
+    hooks, _, hooks_w = _train(tiny_pi05, pi05_batches, common)
+    batched, _, batched_w = _train(tiny_pi05, pi05_batches, common, accumulation="batched")
+    assert batched == hooks
+    assert torch.equal(batched_w, hooks_w)

@@ -42,6 +42,13 @@ class CPCommType(StrEnum):
     a2a = "a2a"  # all-to-all: each rank attends the whole sequence for heads / cp heads
 
 
+class GradAccumulation(StrEnum):
+    """How gradients are added into DDP's ``main_grad`` (``parallel.grad_accumulation``)."""
+
+    hooks = "hooks"
+    batched = "batched"
+
+
 class CudaGraphs(StrEnum):
     """Which CUDA graphs replay the training step's layers (megatron's ``cuda_graph_impl``)."""
 
@@ -80,6 +87,10 @@ class ParallelConfig:
     overlap_param_gather: bool = False  # overlap the distributed optimizer's param all-gather
     grad_reduce_in_fp32: bool = True
     ddp_bucket_size: int | None = None  # elements per DDP bucket; None = megatron's default
+    # How each parameter's gradient reaches DDP's main_grad: hooks (megatron's: a Python hook and
+    # an add per parameter and micro-batch) or batched (one multi-tensor add per micro-batch:
+    # loong_parallel.grad_accumulation; not with overlap_grad_reduce nor pipeline stages)
+    grad_accumulation: GradAccumulation = GradAccumulation.hooks
     # Where a VLM's image encoder runs (loong_parallel.encoder_layout): shared (every TP rank
     # encodes every image) | hetero_dp (the images of a micro-batch split over the TP ranks;
     # needs model.image_encoder.tensor_model_parallel_size=1 and tp > 1) | decoupled (the images
@@ -167,6 +178,9 @@ class ParallelConfig:
         self._validate_decoupled()
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1")
+        if self.grad_accumulation == GradAccumulation.batched and (self.overlap_grad_reduce or self.pp > 1):
+            raise ValueError("parallel.grad_accumulation=batched adds gradients after each micro-batch's backward: "
+                             "it needs parallel.overlap_grad_reduce=false and parallel.pp=1")  # fmt: skip
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true")
         if self.cp_comm_type not in tuple(CPCommType):  # OmegaConf checks it; direct construction does not

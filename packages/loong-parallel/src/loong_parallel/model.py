@@ -13,7 +13,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_models.specs import te_installed
-from loong_parallel.config import ParallelConfig
+from loong_parallel.config import GradAccumulation, ParallelConfig
+from loong_parallel.grad_accumulation import batch_grad_accumulation
 from loong_parallel.log import logger
 from loong_xpu import Accelerator
 
@@ -58,6 +59,9 @@ def build_model_chunks(
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
+    if pcfg.grad_accumulation == GradAccumulation.batched:
+        for chunk in wrapped:
+            batch_grad_accumulation(chunk)
     config.finalize_model_grads_func = finalize_model_grads
     if pcfg.overlap_grad_reduce:
         no_sync = [c.no_sync for c in wrapped]

@@ -16,6 +16,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from loong_parallel.grad_accumulation import batched, flush_grads, flushing_forward_step
 from loong_parallel.model import unwrap
 
 # The loss function handed to megatron returns (loss_sum, num_tokens, {LOSS_KEY: [sum, count]}).
@@ -49,6 +50,23 @@ def _time_until_grad_sync(chunks: list[torch.nn.Module], synchronize: Callable[[
         return original(*args, **kwargs)
 
     config.finalize_model_grads_func = timed
+    try:
+        yield
+    finally:
+        config.finalize_model_grads_func = original
+
+
+@contextmanager
+def _flush_before_finalize(chunks: list[torch.nn.Module]):
+    """The last micro-batch's gradients reach ``main_grad`` before megatron reduces it."""
+    config = get_model_config(chunks[0])
+    original = config.finalize_model_grads_func
+
+    def flushed(*args, **kwargs):
+        flush_grads(chunks)
+        return original(*args, **kwargs)
+
+    config.finalize_model_grads_func = flushed
     try:
         yield
     finally:
@@ -103,7 +121,12 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     timing: dict[str, float] = {}
-    with _time_until_grad_sync(chunks, synchronize, timing) if synchronize else _no_timing():
+    if batched(chunks):  # parallel.grad_accumulation=batched: gradients added per micro-batch, not per parameter
+        forward_step = flushing_forward_step(forward_step, chunks)
+    with (
+        _time_until_grad_sync(chunks, synchronize, timing) if synchronize else _no_timing(),
+        _flush_before_finalize(chunks) if batched(chunks) else _no_timing(),
+    ):
         outputs = schedule_for(chunks, forward_backward_func)(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
