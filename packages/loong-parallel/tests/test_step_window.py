@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from loong_parallel import StepResult, StepWindow
+from loong_parallel import StepClock, StepResult, StepWindow
 
 
 @dataclass
@@ -51,3 +51,21 @@ def test_data_with_media_adds_images_per_s_and_the_last_steps_counts():
     record, _ = w.record(2, RESULT, world_size=1, peak_flops=None)
     assert record["images_per_s"] > 0
     assert (record["step_tokens"], record["step_images"], record["step_samples"], record["step_digest"]) == (20, 4, 5, 22)
+
+
+def test_step_times_add_up_to_the_wall_time_and_pauses_are_left_out():
+    syncs = []
+    clock = StepClock(sync=lambda: syncs.append(1))
+    begin = time.perf_counter()
+    t0 = clock.start()
+    time.sleep(0.01)
+    first = clock.lap(t0)
+    time.sleep(0.01)  # between steps (logging): the next step's time
+    second = clock.lap(clock.start())
+    assert first >= 0.01 and second >= 0.01 and len(syncs) == 2
+    assert first + second == pytest.approx(time.perf_counter() - begin, abs=2e-3)
+    with clock.paused():
+        time.sleep(0.05)  # an evaluation
+    time.sleep(0.01)
+    assert 0.01 <= clock.lap(clock.start()) < 0.05
+    assert StepClock().lap(StepClock().start()) >= 0  # without sync (train.sync_steps=false)

@@ -35,10 +35,7 @@ class TrainConfig:
     device: str = "auto"  # LOONG_DEVICE: auto | cuda | cpu | an installed plugin
     output_dir: str = "runs/default"
     log_interval: int = 1
-    # wait for the device at the end of every step; false: the next step's data and forward are
-    # queued while the device still runs this step's update (the step time is then the wall time
-    # between step ends, the same figure over a run)
-    sync_steps: bool = True
+    sync_steps: bool = True  # false: no device sync at a step's end (the next one queues during its update)
     eval_interval: int = 50  # 0 = no periodic eval (a final eval still runs when eval_iters > 0)
     eval_iters: int = 4
     save_interval: int = 0  # 0 = save at the end only

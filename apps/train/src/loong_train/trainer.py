@@ -11,7 +11,6 @@ a ``StepData`` factory passed as ``Trainer(cfg, data=...)``.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from loong_parallel import (
     DataParallel,
     ModelKind,
     NonFiniteGuard,
+    StepClock,
     StepProfiler,
     StepResult,
     StepWindow,
@@ -193,7 +193,8 @@ class Trainer:
                 self._log(step, result)
                 self.nonfinite.observe(step, result)  # raises after train.nonfinite_limit in a row
                 if step != t.steps:
-                    self._periodic(step)
+                    with self.clock.paused():  # evaluations and saves are no step's time
+                        self._periodic(step)
             self._finish()
             return self.summary
         finally:
@@ -221,15 +222,12 @@ class Trainer:
         self.ckpt_meta = run_meta(self.cfg.model, init_from=t.init_from, config=self.cfg,
                                   tokens_per_step=t.global_batch_size * self.cfg.data.seq_length)  # fmt: skip
         self.nonfinite = NonFiniteGuard(t.nonfinite_limit)
-        self._last_step_end: float | None = None
+        self.clock = StepClock(self.accel.synchronize if t.sync_steps else None)
         self._log_start()
 
     def step(self, step: int) -> StepResult:
-        """One optimizer step on the next global batch. Its time: since the previous step ended
-        (the first, and the first after an evaluation or a save: since it began), so that the
-        step times add up to the training wall time also when the steps queue back to back
-        (``train.sync_steps=false``)."""
-        t0 = self._last_step_end or time.perf_counter()
+        """One optimizer step on the next global batch (its time: loong_parallel.StepClock)."""
+        t0 = self.clock.start()
         mbs = next(self.batches)
         sync = self.accel.synchronize if self.balancer else None  # the balancer learns from compute times
         result = train_step(self.forward_step, microbatch_iterators(mbs, len(self.chunks)), self.chunks, self.optimizer,
@@ -237,12 +235,9 @@ class Trainer:
                             **schedule_shape(mbs))  # fmt: skip
         if self.balancer:
             self.balancer.observe(mbs, result.compute_s)
-        if self.cfg.train.sync_steps:
-            self.accel.synchronize()
         counts: StepCounts = self.data.counts(mbs, result.num_tokens)
         flops = self.model.flops(counts, seq_length=self.cfg.data.seq_length)
-        self._last_step_end = time.perf_counter()
-        self.window.add(counts, flops, step_time=self._last_step_end - t0)
+        self.window.add(counts, flops, step_time=self.clock.lap(t0))
         return result
 
     def evaluate(self, step: int) -> float:
@@ -280,11 +275,9 @@ class Trainer:
         t = self.cfg.train
         if t.eval_interval and t.eval_iters and step % t.eval_interval == 0:
             self.evaluate(step)
-            self._last_step_end = None  # an evaluation is no training step's time
         want_export = t.export_hf and t.export_hf_interval and step % t.export_hf_interval == 0
         if want_export or (t.save_interval and step % t.save_interval == 0):
             self.save(step)
-            self._last_step_end = None
             if want_export:
                 self.export(step)
 

@@ -36,7 +36,7 @@ from loong_parallel.rng import rng_state, seed_everything, set_rng_state
 from loong_parallel.runtime import runtime_transformer_fields
 from loong_parallel.schedule import microbatch_iterators, schedule_shape
 from loong_parallel.step import LOSS_KEY, StepResult, eval_step, train_step
-from loong_parallel.step_window import StepWindow
+from loong_parallel.step_window import StepClock, StepWindow
 
 __version__ = "0.1.0"
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "QuadraticCost",
     "RouterStats",
     "StepResult",
+    "StepClock",
     "StepWindow",
     "StepProfiler",
     "ProfileConfig",

@@ -5,6 +5,8 @@ logged one consumed (the data's counts) and cost (time, the model's FLOPs), with
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from loong_parallel.step import StepResult
@@ -56,3 +58,35 @@ class StepWindow:
         if peak_flops:
             record["mfu"] = self.flops / elapsed / world_size / peak_flops
         return record, {"loss": f"{result.loss:.4f}", "tok_s": f"{tps:,.0f}"}
+
+
+class StepClock:
+    """Step times that add up to the training wall time (less the time spent in :meth:`paused`):
+    a step's time runs from the previous step's end (the first step's from its own start) to its
+    own. With ``sync`` (the accelerator's synchronize) a step ends when the device has run it;
+    without (``train.sync_steps=false``) when its work is queued, and the device's tail of it is
+    then waited for inside the next step, whose time it joins."""
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self.sync = sync
+        self._end: float | None = None
+
+    def start(self) -> float:
+        return self._end if self._end is not None else time.perf_counter()
+
+    def lap(self, t0: float) -> float:
+        """The time of the step that started at ``t0`` (:meth:`start`), which ends now."""
+        if self.sync is not None:
+            self.sync()
+        self._end = time.perf_counter()
+        return self._end - t0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work between steps that is no step's (evaluation, saving): its time is left out."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._end is not None:
+                self._end += time.perf_counter() - t
