@@ -53,7 +53,7 @@ def _one_step(output_loss: str, tied: bool, accel) -> tuple[float, dict[str, tor
     f = dataclasses.replace(F, tie_word_embeddings=tied, output_loss=output_loss)
     pcfg = ParallelConfig()
     config = build_transformer_config(f, **runtime_transformer_fields(pcfg, dtype=torch.bfloat16, device_type="cuda"),
-                                      **fusion_fields("te"), calculate_per_token_loss=True)  # fmt: skip
+                                      **fusion_fields("te"))  # fmt: skip
 
     def provider(pre: bool, post: bool, vp: int | None) -> torch.nn.Module:
         torch.manual_seed(0)
