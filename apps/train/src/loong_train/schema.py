@@ -15,7 +15,7 @@ from loong_models.foundation import MoEConfig
 from loong_parallel import OptimConfig, ParallelConfig, ProfileConfig
 from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_parallel.encoder_layout import encoder_layout_errors
-from loong_parallel.runtime import cuda_graph_conflicts, wgrad_fusion_conflicts
+from loong_parallel.runtime import cuda_graph_conflicts, output_loss_conflicts, wgrad_fusion_conflicts
 
 
 class DType(StrEnum):
@@ -130,24 +130,7 @@ def _cross_package_errors(cfg: Config) -> list[str]:
                       "diffusion model (e.g. model=wan-tiny) trains on data.kind=diffusion, and only it does")  # fmt: skip
     return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
             + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg) + cuda_graph_conflicts(p, cfg.model, d.packing)
-            + wgrad_fusion_conflicts(p, cfg.model) + _output_loss_errors(cfg))
-
-
-def _output_loss_errors(cfg: Config) -> list[str]:
-    """model.foundation.output_loss=fused (loong_models.foundation.output_loss) computes the whole
-    vocabulary's cross-entropy on one rank from whole-sequence hidden states; pipeline stages
-    (the last one computes the loss) and context parallelism (each rank's tokens) are fine."""
-    f, p = cfg.model.foundation, cfg.parallel
-    if cfg.model.is_diffusion or f.output_loss != "fused":
-        return []
-    tp = f.tensor_model_parallel_size or p.tp
-    cannot = {
-        f"parallel.tp={tp} (the output layer's vocabulary is split across ranks)": tp > 1,
-        "parallel.sequence_parallel=true": p.sequence_parallel,
-        "parallel.chunkpipe (it computes each chunk's loss itself)": p.chunkpipe.chunk_size is not None,
-    }
-    return [f"model.foundation.output_loss=fused cannot combine with {what}; use output_loss=megatron"
-            for what, present in cannot.items() if present]  # fmt: skip
+            + wgrad_fusion_conflicts(p, cfg.model) + output_loss_conflicts(p, cfg.model))
 
 
 
