@@ -5,10 +5,9 @@ Usage: ``torchrun --nproc-per-node N cp_worker.py OUT.json LAYOUT...`` with LAYO
 runs every sample of the batch in chunks instead of megatron's schedule; ``sp``: sequence
 parallelism, which megatron requires for MoE with TP). The model is a tiny GQA Llama;
 ``mla-...`` runs deepseek-v3-tiny instead (multi-latent attention: query/key and value head sizes
-differ, a decoupled RoPE part; MoE layers after the first), ``mla-mtp-...`` with one
-multi-token-prediction layer. ``LAYOUT@REF`` compares LAYOUT with layout REF instead of one
-process (MLA x TP: the local backend's MLA under TP does not match one process, with or without
-CP). The first pass runs with tp = pp = cp = 1 (every rank computes the whole global batch: the
+differ, a decoupled RoPE part shared by the heads; MoE layers after the first), ``mla-mtp-...``
+with one multi-token-prediction layer, ``mla-dense-...`` with dense layers only (TP without SP).
+The first pass runs with tp = pp = cp = 1 (every rank computes the whole global batch: the
 one-process numbers); then each layout runs the same model, weights and global batch through
 megatron's schedule, DDP and ``finalize_model_grads`` (which reduces gradients and token counts
 over DP x CP). Every parameter's gradient is gathered back to full size (over TP and PP) and
@@ -17,6 +16,7 @@ compared with the reference; rank 0 writes the largest differences to OUT.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from functools import partial
@@ -27,12 +27,14 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from loong_data import collate_packed
-from loong_models import build_model, build_transformer_config, fusion_fields, load_model_config
+from loong_models import ModelConfig, build_model, build_transformer_config, fusion_fields, load_model_config
 from loong_models.chunked import enable_chunkpipe
+from loong_models.foundation.build import moe_fields
 from loong_models.packed_seq import packed_seq_params
 from loong_parallel import (
     ParallelConfig,
@@ -51,7 +53,7 @@ CAPACITY = 64
 CHUNK = 12  # ChunkPipe layouts: chunk boundaries fall inside documents, the last chunk is short
 
 
-# model key (the words "mla" / "mtp" of a layout name, see model_key) -> (zoo name, overrides)
+# model key (the words "mla" / "mtp" / "dense" of a layout name, see model_key) -> (zoo name, overrides)
 MODELS = {
     "gqa": ("tiny", [f"foundation.num_layers={LAYERS}", "foundation.hidden_size=64", "foundation.ffn_hidden_size=128",
                      "foundation.kv_channels=16", "foundation.num_attention_heads=4",
@@ -59,17 +61,25 @@ MODELS = {
     "mla": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "layer_backend=local"]),
     "mla-mtp": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "foundation.mtp_num_layers=1",
                                      "layer_backend=local"]),
+    "mla-dense": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "layer_backend=local"]),
 }  # fmt: skip
 
 
+def without_moe(tconfig: TransformerConfig, cfg: ModelConfig) -> TransformerConfig:
+    """``mla-dense``: deepseek-v3 requires MoE, and megatron's MoE refuses TP without SP; MLA under TP
+    without SP (its RoPE key's gradient is reduced differently there) runs with dense MLPs instead."""
+    moe = moe_fields(cfg.foundation)
+    defaults = {f.name: f.default for f in dataclasses.fields(tconfig) if f.name in moe}
+    return dataclasses.replace(tconfig, **defaults)
+
+
 def model_key(layout: str) -> str:
-    words = [w for w in layout.split("-") if w in ("mla", "mtp")]
+    words = [w for w in layout.split("-") if w in ("mla", "mtp", "dense")]
     return "-".join(words) or "gqa"
 
 
 def parse(layout: str) -> tuple[ParallelConfig, bool, bool]:
     """(layout, packed data, ChunkPipe)."""
-    layout = layout.split("@")[0]
     kw: dict = {"cp_comm_type": "a2a" if "a2a" in layout else "p2p", "sequence_parallel": "sp" in layout.split("-")}
     for part in layout.split("-"):
         for key in ("cp", "tp", "pp"):
@@ -190,6 +200,8 @@ def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False, we
     tconfig = build_transformer_config(
         cfg.foundation, **runtime_transformer_fields(pcfg, dtype=torch.float32, device_type="cpu"), **fusion_fields("local")
     )
+    if "dense" in model.split("-"):
+        tconfig = without_moe(tconfig, cfg)
 
     def provider(pre, post, vp_stage):
         return build_model(cfg, tconfig, device_type="cpu", pre_process=pre, post_process=post, vp_stage=vp_stage)
@@ -238,15 +250,12 @@ def main() -> None:
     with redirect_cuda(accel):
         dist.init_process_group("gloo")
         cases = sorted({(model_key(x), parse(x)[1]) for x in layouts})
-        refs = {(m, thd, None): run_layout(ParallelConfig(), thd, accel, model=m) for m, thd in cases}
+        refs = {(m, thd): run_layout(ParallelConfig(), thd, accel, model=m) for m, thd in cases}
         report = {}
         for layout in layouts:
             pcfg, thd, chunked = parse(layout)
-            model, against = model_key(layout), layout.split("@")[1] if "@" in layout else None
-            weights = refs[model, thd, None][2]
-            if (model, thd, against) not in refs:  # LAYOUT@REF: compared with layout REF, not one process
-                refs[model, thd, against] = run_layout(parse(against)[0], thd, accel, weights=weights, model=model)
-            ref_loss, ref_grads, _ = refs[model, thd, against]
+            model = model_key(layout)
+            ref_loss, ref_grads, weights = refs[model, thd]
             loss, grads, _ = run_layout(pcfg, thd, accel, chunked, weights, model)
             if "output_layer.weight" in grads and "output_layer.weight" not in ref_grads:
                 # tied embeddings under PP: the last stage's output layer is a copy of the input
