@@ -45,6 +45,7 @@ from loong_parallel import (
 )
 from loong_parallel.chunkpipe import chunkpipe_forward_backward
 from loong_parallel.context_parallel import split_for_context_parallel
+from loong_parallel.testing import full_grads, tp_shard
 from loong_xpu import get_accelerator, redirect_cuda
 
 SEQ, MICRO, MICROBATCHES, LAYERS = 32, 2, 2, 4
@@ -129,44 +130,23 @@ def global_name(name: str, offset: int) -> str:
     return f"decoder.layers.{int(i) + offset}.{rest}"
 
 
-def _shard(name: str, p, full: torch.Tensor) -> torch.Tensor:
-    tp = mpu.get_tensor_model_parallel_group()
-    if not getattr(p, "tensor_model_parallel", False) or tp.size() == 1:
-        return full
-    if name.endswith("linear_fc1.weight"):  # SwiGLU: each shard is [gate_r; up_r]
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp.size(), 0)[tp.rank()], up.chunk(tp.size(), 0)[tp.rank()]])
-    return full.chunk(tp.size(), dim=p.partition_dim)[tp.rank()]
-
-
 @torch.no_grad()
 def load_weights(chunks, weights: dict[str, torch.Tensor], layers_per_stage: int) -> None:
     """The one-stage model's weights into this layout (layers of later pipeline stages are
     initialised from other RNG draws, so every layout starts from the reference's weights)."""
     offset = mpu.get_pipeline_model_parallel_rank() * layers_per_stage
-    for name, p in unwrap(chunks[0]).named_parameters():
+    model = unwrap(chunks[0])
+    for name, p in model.named_parameters():
         key = global_name(name, offset)
         if key == "output_layer.weight" and key not in weights:
             key = "embedding.word_embeddings.weight"  # tied embeddings: the last stage's copy
-        p.copy_(_shard(name, p, weights[key]))
+        p.copy_(tp_shard(model, name, p, weights[key]))
 
 
-def full_grads(chunks, layers_per_stage: int) -> dict[str, torch.Tensor]:
-    """name (global layer numbers) -> this param's whole gradient, gathered over TP."""
-    tp = mpu.get_tensor_model_parallel_group()
+def stage_grads(chunks, layers_per_stage: int) -> dict[str, torch.Tensor]:
+    """name (global layer numbers) -> this stage's parameter's whole gradient, gathered over TP."""
     offset = mpu.get_pipeline_model_parallel_rank() * layers_per_stage
-    out = {}
-    for name, p in unwrap(chunks[0]).named_parameters():
-        g = p.main_grad.detach().clone()
-        if getattr(p, "tensor_model_parallel", False) and tp.size() > 1:
-            shards = [torch.empty_like(g) for _ in range(tp.size())]
-            dist.all_gather(shards, g, group=tp)
-            if name.endswith("linear_fc1.weight"):  # SwiGLU: each shard is [gate_r; up_r]
-                halves = [s.chunk(2, dim=0) for s in shards]
-                shards = [h[0] for h in halves] + [h[1] for h in halves]
-            g = torch.cat(shards, dim=p.partition_dim)
-        out[global_name(name, offset)] = g
-    return out
+    return {global_name(name, offset): g for name, g in full_grads(unwrap(chunks[0])).items()}
 
 
 def samples(microbatch: dict) -> list[dict]:
@@ -225,7 +205,7 @@ def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False, we
         for o in outputs:
             total += o["lm loss"].double()
     dist.all_reduce(total)
-    grads = full_grads(chunks, LAYERS // pcfg.pp)
+    grads = stage_grads(chunks, LAYERS // pcfg.pp)
     gathered = [None] * world
     dist.all_gather_object(gathered, grads)
     merged: dict[str, torch.Tensor] = {}
