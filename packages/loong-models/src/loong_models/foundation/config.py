@@ -116,7 +116,7 @@ class FoundationConfig:
     mtp_loss_scaling_factor: float = 0.1
     # The LM loss of the output layer: megatron (logits, then megatron's fused vocab-parallel
     # cross-entropy) or fused (loong_kernels' linear + cross-entropy per token chunk: no full
-    # logits; TP = 1, no sequence parallelism, no MTP). See foundation/output_loss.py.
+    # logits; TP = PP = CP = 1, no sequence parallelism, no MTP). See foundation/output_loss.py.
     output_loss: OutputLoss = OutputLoss.megatron
     # FP8 of the TE linears: off | on | adaptive (per GEMM kind, from a measured policy file)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
