@@ -133,7 +133,7 @@ def test_the_fused_model_names_what_it_cannot_run_with():
         return [what for what, present in fused_loss_blockers(config).items() if present]
 
     assert blocked() == []
-    assert blocked(context_parallel_size=2) == []  # per-token losses of each rank's share: the same averaging
+    assert blocked(context_parallel_size=2) == []  # the model computes each rank's tokens (the app refuses CP until tested)
     assert blocked(tensor_model_parallel_size=2) == ["tensor parallelism (vocab-parallel output layer)"]
     assert blocked(tensor_model_parallel_size=2, sequence_parallel=True) == [
         "tensor parallelism (vocab-parallel output layer)",
