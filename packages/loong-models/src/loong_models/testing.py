@@ -4,6 +4,7 @@ world, and a test-local HF -> Loong weight map for the two ViT types (loong-ckpt
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loong_models import (
     FoundationConfig,
@@ -161,3 +162,16 @@ def packed_batch(seed: int = 0, patch_dim: int = 1176):
         pixel_values=torch.randn(24, patch_dim, generator=g), image_grid_thw=torch.tensor([image]),
         pixel_values_videos=torch.randn(32, patch_dim, generator=g), video_grid_thw=torch.tensor([video]),
     )  # fmt: skip
+
+
+class AtenOpCounter(TorchDispatchMode):
+    """Counts the aten ops run inside it (``calls``; the ops a profiler lists): host bookkeeping
+    whose op count grows with a micro-batch's images or text tokens shows up as a count that grows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
