@@ -6,6 +6,7 @@ import torch
 
 from loong_data.step_data import DataConfig, MultimodalDataConfig, PatchGeometry, StepLayout, build_step_data
 from loong_data.step_data.layout import DataError
+from loong_data.step_data.multimodal import prefetch_mode
 
 SEQ = 1024
 
@@ -52,6 +53,15 @@ def test_child_process_prefetch_refuses_a_balancer(tmp_path):
     data = build_step_data(cfg, lay, patches=PatchGeometry(patch_size=14, temporal_patch_size=2, merge_size=2))
     with pytest.raises(DataError, match="prefetch=process"):
         data.train_steps(balancer=object())
+
+
+def test_auto_prefetch_takes_the_child_process_only_for_cuda_runs_without_a_balancer():
+    assert prefetch_mode("auto", cuda=True, balanced=False) == "process"
+    assert prefetch_mode("auto", cuda=False, balanced=False) == "thread"
+    assert prefetch_mode("auto", cuda=True, balanced=True) == "thread"
+    assert prefetch_mode("thread", cuda=True, balanced=False) == "thread"
+    assert prefetch_mode("process", cuda=False, balanced=False) == "process"
+    assert MultimodalDataConfig().prefetch == "auto" and not MultimodalDataConfig().errors()
 
 
 def test_an_unknown_prefetch_mode_is_a_config_error():

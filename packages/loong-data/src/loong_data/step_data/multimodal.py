@@ -40,6 +40,15 @@ from loong_data.step_data.layout import DataError, StepCounts, StepLayout, batch
 from loong_data.step_data.shards import convert_sources
 
 
+def prefetch_mode(setting: str, *, cuda: bool, balanced: bool) -> str:
+    """``data.multimodal.prefetch`` resolved: ``auto`` is the child process for a CUDA run without
+    a balancer (its training loop is host-bound and shares no GIL with the packing), else the
+    thread (a CPU run's few cores train; a balancer plans each step in the training process)."""
+    if setting != "auto":
+        return setting
+    return "process" if cuda and not balanced else "thread"
+
+
 @dataclass(frozen=True)
 class PatchGeometry:
     """How the model cuts images into patches (its image encoder's sizes)."""
@@ -59,7 +68,7 @@ class MultimodalStepData:
     layout: StepLayout
     shuffle_buffer: int
     strategy: str
-    prefetch: str = "thread"  # data.multimodal.prefetch
+    prefetch: str = "auto"  # data.multimodal.prefetch
     _eval: list[dict] | None = field(default=None, repr=False)
 
     def _dataset(self, shards: list[Path], shuffle_buffer: int) -> PackedMultimodalDataset:
@@ -86,13 +95,14 @@ class MultimodalStepData:
         """For each step from ``start_step``: this DP rank's packed micro-batches: its slice of the
         global batch, or the balancer's choice (``balancer.select(samples)``, the same plan on
         every rank; loong_parallel's SelectBalancer). Prepared one step ahead in a background
-        thread (``prefetch="process"``: a child process), unless a refitting balancer plans the steps
-        (its cost changes between steps), in page-locked memory for a CUDA device."""
-        if self.prefetch == "process":
+        thread (``prefetch="process"``, and ``"auto"`` on a CUDA device without a balancer: a child
+        process), unless a refitting balancer plans the steps (its cost changes between steps), in
+        page-locked memory for a CUDA device."""
+        cuda = self.layout.device is not None and torch.device(self.layout.device).type == "cuda"
+        if prefetch_mode(self.prefetch, cuda=cuda, balanced=balancer is not None) == "process":
             if balancer is not None:
                 raise DataError("data.multimodal.prefetch=process plans the steps in a child process: it cannot "
                                 "take parallel.balance's plans; use data.multimodal.prefetch=thread")  # fmt: skip
-            cuda = self.layout.device is not None and torch.device(self.layout.device).type == "cuda"
             return prefetch_process(partial(self._steps, start_step, None), pin=cuda)
         steps = pinned(self._steps(start_step, balancer), self.layout.device)
         return steps if getattr(balancer, "refit", None) is not None else prefetch(steps)
