@@ -11,9 +11,11 @@ from loong_models import (
     ImageEncoderConfig,
     ImageProjectorConfig,
     build_transformer_config,
+    fusion_fields,
     packed_seq_params,
 )
 from loong_models.image_encoder import ImageEncoder, build_encoder_transformer_config
+from loong_models.image_encoder.vit import COMPILED_FUSIONS
 from loong_models.image_projector import ImageProjector, build_projector_transformer_config
 
 
@@ -27,11 +29,14 @@ def build_vision(
 ):
     """Encoder (+ projector), fp32 on the CPU with the local backend by default (needs a megatron
     world)."""
+    # the compiled fusions as the train app's foundation has them (the encoder follows its choice)
+    fused = {k: v for k, v in fusion_fields(backend).items() if k in COMPILED_FUSIONS}
     base = build_transformer_config(
         FoundationConfig(),
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=backend == "local",
+        **fused,
     )
     econf = build_encoder_transformer_config(enc, base, tensor_model_parallel_size=1, backend=backend)
     encoder = ImageEncoder(enc, econf, layer_backend=backend)
