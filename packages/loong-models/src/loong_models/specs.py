@@ -40,7 +40,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from loong_models.attention import DSAttention, DSAttentionSubmodules, LightningIndexer, SDPAttention
 from loong_models.log import logger
-from loong_models.norm import RMSNorm
+from loong_models.norm import RMSNorm, tp_replicated
 
 
 class LayerBackend(StrEnum):
@@ -97,7 +97,9 @@ class LocalSpecProvider(MegatronLocalSpecProvider):
     :class:`SDPAttention` as core attention and loong-kernels' RMSNorm."""
 
     def linear(self) -> type:
-        """A linear not split over TP (MLA's down projections), as TESpecProvider.linear."""
+        """MLA's down projections, as megatron's local spec: column-parallel, MLA gathers their
+        outputs (TE: a TP-duplicated TELinear; loong_xpu.mla_rope_key sums the shared RoPE key's
+        gradient over TP for both)."""
         return ColumnParallelLinear
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
@@ -300,9 +302,8 @@ def _mla_attention(provider: BackendSpecProvider, shape: LayerShape) -> ModuleSp
     fused = provider.fuse_layernorm_and_linear()
     column = provider.column_parallel_linear()
     up = provider.column_parallel_layer_norm_linear() if fused and shape.qk_layernorm else column
-    latent_norm = (
-        provider.layer_norm(rms_norm=shape.rms_norm, for_qk=True) if shape.qk_layernorm else IdentityOp
-    )
+    norm = provider.layer_norm(rms_norm=shape.rms_norm, for_qk=True)
+    latent_norm = tp_replicated(norm) if shape.qk_layernorm else IdentityOp
     return ModuleSpec(
         module=MLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
