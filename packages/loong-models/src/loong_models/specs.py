@@ -362,18 +362,23 @@ def _dsa_layer(spec: ModuleSpec, provider: BackendSpecProvider) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=sub)
 
 
-def fusion_fields(backend: str) -> dict[str, bool]:
+def fusion_fields(backend: str, *, bias_dropout_add: bool = True, bias_activation: bool = True) -> dict[str, bool]:
     """TransformerConfig switches for fused kernels that exist only with the TE backend
     (fused RoPE, SwiGLU, bias-dropout-add, wgrad accumulation into main_grad, fused CE), and the
     MoE experts' implementation: TE's grouped GEMM (TEGroupedMLP) with TE, else megatron's
     SequentialMLP (one local MLP per expert; megatron's non-TE GroupedMLP needs the grouped_gemm
-    package, which Loong does not require)."""
+    package, which Loong does not require).
+
+    ``bias_dropout_add`` / ``bias_activation`` (``model.fuse_bias_dropout_add`` /
+    ``model.fuse_bias_activation``): megatron's torch.compile'd elementwise fusions, each call of
+    which pays Dynamo's guards, the AOT wrapper and a Triton launch on the host (~0.2 ms a call,
+    measured on an H100 host); off, the same math runs as eager ops."""
     on = backend == "te"
     return dict(
         moe_grouped_gemm=on,
         apply_rope_fusion=on,
-        bias_activation_fusion=on,
-        bias_dropout_fusion=on,
+        bias_activation_fusion=on and bias_activation,
+        bias_dropout_fusion=on and bias_dropout_add,
         masked_softmax_fusion=False,  # unused: attention is TE's or SDPA
         # megatron's flag refuses to build its own linears without apex: parallel.wgrad_fusion
         # switches the built modules instead (loong_parallel.model.fuse_wgrad_accumulation).
