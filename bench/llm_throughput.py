@@ -13,10 +13,12 @@ after warm-up.
     python bench/llm_throughput.py --hf-modes --variants base= wgrad=++parallel.wgrad_fusion=true \
         fp8=++model.foundation.precision.fp8=on,++model.foundation.precision.recipe=tensorwise
     python bench/llm_throughput.py --hf-modes --variants base= graphs=++parallel.cuda_graphs=local  # CUDA graphs
+    python bench/llm_throughput.py --mbs 4 --hf-modes bf16 --variants megatron= fused=++model.foundation.output_loss=fused
     python bench/llm_throughput.py --model llama3.1-8b --model-override foundation.num_layers=4 --seq 8192 --hf-modes
 
 ``--variants label=override,override ...`` runs Loong once per variant (same batches), on top of
-``--loong-extra``; ``--model-override`` changes the model of every run (Loong, HF, the FLOP count).
+``--loong-extra`` (a variant that fails, e.g. out of memory, is reported as failed and the others
+still run); ``--model-override`` changes the model of every run (Loong, HF, the FLOP count).
 
 MFU = (6 N + 6 L h s) * tokens/s / peak (989 TFLOP/s bf16 on H100/H200), N = parameters.
 """
@@ -165,16 +167,28 @@ def main() -> None:
     f = foundation(args.model, args.model_override)
     tokens_per_step = args.mbs * args.seq
     fpt = f.flops_per_token(args.seq)  # the model's own count (loong-models)
-    rows, loong_rows = [], 0
+    rows, loong_rows, failed = [], 0, []
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_loong:
             for label, variant in parse_variants(args.variants):
-                times, peak = run_loong(args, Path(tmp) / f"loong-{label}", variant)
-                rows.append((" ".join(["loong", label, *args.loong_extra]), statistics.median(times), peak))
+                name = " ".join(["loong", label, *args.loong_extra])
+                try:
+                    times, peak = run_loong(args, Path(tmp) / f"loong-{label}", variant)
+                except SystemExit as e:  # e.g. out of memory at this micro-batch: the other variants still count
+                    print(f"{name}: {e}", flush=True)
+                    failed.append(name)
+                    continue
+                rows.append((name, statistics.median(times), peak))
                 loong_rows += 1
         for mode in args.hf_modes:
-            times, peak = run_hf(args, mode, tmp)
-            rows.append((f"hf transformers ({mode}, sdpa)", statistics.median(times), peak))
+            name = f"hf transformers ({mode}, sdpa)"
+            try:
+                times, peak = run_hf(args, mode, tmp)
+            except SystemExit as e:
+                print(f"{name}: {e}", flush=True)
+                failed.append(name)
+                continue
+            rows.append((name, statistics.median(times), peak))
     import torch
 
     print(f"\n{args.model} {' '.join(args.model_override)}: {f.num_parameters() / 1e9:.3f}B params, seq {args.seq}, "
@@ -185,6 +199,8 @@ def main() -> None:
         tps = tokens_per_step / step
         peak_s = f"{peak:9.1f}" if peak is not None else f"{'-':>9}"
         print(f"{name:<60} {step:8.3f} {tps:10,.0f} {fpt * tps / PEAK:6.3f} {peak_s}")
+    for name in failed:
+        print(f"{name:<60} {'failed (see its stderr above)':>36}")
     if loong_rows and len(rows) > loong_rows:  # each Loong run against the first HF run
         base_name, base = rows[loong_rows][0], rows[loong_rows][1]
         for name, step, _ in rows[:loong_rows]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from loong_data.multimodal import PackedMultimodalDataset, VisionProcessorConfig, bundled_multimodal_shards
+from loong_data.testing import bundled_samples_by_media, small_vision_processor
 from loong_models import build_model, build_transformer_config, fusion_fields, load_model_config
 from loong_parallel import (
     OptimConfig,
@@ -44,26 +44,12 @@ LAYOUTS = {"hetero_dp": {}, "decoupled": {"pp": 2}}  # each beside shared, at TP
 VISION = ("image_encoder.", "image_projector.")
 
 
-def media(sample) -> tuple[int, int]:
-    return sum(k == "image" for k, _ in sample.media), sum(k == "video" for k, _ in sample.media)
-
-
 def microbatches(out_dir: Path, dp_rank: int) -> list[dict]:
     """This DP rank's micro-batches: text only, one image, five images of different sizes (a
     4-digit sample + a photo), a video with an image (the "mixed" samples)."""
-    cfg = load_model_config("tiny-vlm")
-    e = cfg.image_encoder
-    processor = VisionProcessorConfig(patch_size=e.patch_size, temporal_patch_size=e.temporal_patch_size,
-                                      merge_size=e.spatial_merge_size, max_pixels=112 * 112,
-                                      video_min_pixels=56 * 56, video_max_pixels=56 * 56)  # fmt: skip
-    if dist.get_rank() == 0:
-        bundled_multimodal_shards(out_dir / "shards")
-    dist.barrier()
-    ds = PackedMultimodalDataset(bundled_multimodal_shards(out_dir / "shards"), seq_length=SEQ, processor=processor,
-                                 seed=0, shuffle_buffer=1)  # fmt: skip
-    by_media: dict[tuple[int, int], list] = {}
-    for s in ds.samples(0):
-        by_media.setdefault(media(s), []).append(s)
+    e = load_model_config("tiny-vlm").image_encoder
+    processor = small_vision_processor(e.patch_size, e.temporal_patch_size, e.spatial_merge_size)
+    ds, by_media = bundled_samples_by_media(out_dir / "shards", processor, SEQ)
     pick = lambda m, i=0: by_media[m][dp_rank * 2 + i]  # noqa: E731
     packs = [[pick((0, 0))], [pick((1, 0))], [pick((4, 0)), pick((1, 0), 1)], [pick((1, 1))]]
     return [ds.collate(p) for p in packs]

@@ -182,3 +182,28 @@ def test_wgrad_fusion_is_refused_by_name_on_a_model_without_linears_to_fuse():
         validate(pi05("parallel.wgrad_fusion=null"), world_size=1)
         with pytest.raises(ConfigError, match=r"parallel.wgrad_fusion=true cannot combine with an embodied model"):
             validate(pi05("parallel.wgrad_fusion=true"), world_size=1)
+
+
+def test_the_fused_output_loss_names_what_it_cannot_combine_with():
+    """model.foundation.output_loss=fused: one rank computes the whole vocabulary's loss; tensor /
+    sequence parallelism, ChunkPipe and MTP cannot, pipeline and context parallelism are not tested yet."""
+    fused = "++model.foundation.output_loss=fused"
+    validate(to_config(compose_config(fused)), world_size=1)
+    validate(to_config(compose_config(fused)), world_size=2)  # data parallelism
+    for overrides, what in (
+        (["parallel.tp=2"], r"parallel.tp=2 \(the output layer's vocabulary is split across ranks\)"),
+        # sequence parallelism needs tp > 1: the first error named is the TP one
+        (["parallel.tp=2", "parallel.sequence_parallel=true"], r"parallel.tp=2"),
+        (["parallel.chunkpipe.chunk_size=64", "train.micro_batch_size=1", "train.global_batch_size=2"],
+         r"parallel.chunkpipe \(it computes each chunk's loss itself\)"),
+        (["parallel.pp=2"], r"parallel.pp=2 \(not yet tested against megatron's loss\)"),
+        (["parallel.cp=2", "data.seq_length=256"], r"parallel.cp=2 \(not yet tested against megatron's loss\)"),
+    ):
+        with pytest.raises(ConfigError, match=rf"model.foundation.output_loss=fused cannot combine with {what}"):
+            validate(to_config(compose_config(fused, *overrides)), world_size=2)
+    with pytest.raises((ConfigError, ValueError), match=r"model.foundation.output_loss=fused cannot run with "
+                                                        r"model.foundation.mtp_num_layers=1"):  # fmt: skip
+        validate(to_config(compose_config(fused, "model=deepseek-v3-tiny", "model.foundation.mtp_num_layers=1")),
+                 world_size=1)  # fmt: skip
+    with pytest.raises(ValidationError, match="output_loss"):  # the choices are named by OmegaConf
+        to_config(compose_config("++model.foundation.output_loss=logits"))

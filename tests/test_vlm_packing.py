@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loong_data.multimodal import PackedMultimodalDataset, VisionProcessorConfig, bundled_multimodal_shards
+from loong_data.multimodal import PackedMultimodalDataset, bundled_multimodal_shards
+from loong_data.testing import small_vision_processor
 from loong_models import build_model, build_transformer_config, load_model_config, packed_seq_params
 from loong_xpu.testing import megatron_cpu  # noqa: F401  (a one-process megatron world on the CPU)
 
@@ -40,9 +41,7 @@ def test_packed_microbatches_give_the_unpacked_loss_and_gradients(tmp_path):
     torch.manual_seed(0)
     model = build_model(cfg, config, device_type="cpu")
     e = cfg.image_encoder
-    processor = VisionProcessorConfig(patch_size=e.patch_size, temporal_patch_size=e.temporal_patch_size,
-                                      merge_size=e.spatial_merge_size, max_pixels=112 * 112,
-                                      video_min_pixels=56 * 56, video_max_pixels=56 * 56)  # fmt: skip
+    processor = small_vision_processor(e.patch_size, e.temporal_patch_size, e.spatial_merge_size)
     ds = PackedMultimodalDataset(bundled_multimodal_shards(tmp_path / "shards"), seq_length=SEQ, processor=processor,
                                  seed=0, shuffle_buffer=1)  # fmt: skip
     stream = ds.samples(0)

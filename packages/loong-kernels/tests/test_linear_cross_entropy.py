@@ -86,3 +86,47 @@ def test_peak_tensor_is_a_chunk_not_the_full_logits():
     assert unfused.largest >= full_logits
     assert fused.largest <= max(64 * vocab * 4, w.numel() * 4)
     assert fused.largest * 4 <= unfused.largest
+
+
+def _per_token_formula(h, w, t):
+    """Each token's loss on full logits; a target outside the vocabulary has none (megatron's rule)."""
+    logits = h @ w.t()
+    inside = (t >= 0) & (t < w.shape[0])
+    picked = logits.gather(1, torch.where(inside, t, 0)[:, None]).squeeze(1)
+    return torch.logsumexp(logits, 1) - torch.where(inside, picked, 0.0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 8, 64])
+def test_per_token_losses_and_their_masked_gradients_match_full_logits(chunk_size):
+    from loong_kernels import linear_cross_entropy_per_token
+
+    h, w, t = _data()
+    t[5] = w.shape[0] + 3  # outside the vocabulary: counted with weight 1, no target logit
+    mask = (torch.arange(t.shape[0]) % 3 != 0).double()
+    got = linear_cross_entropy_per_token(h, w, t, mask, chunk_size=chunk_size)
+    want = _per_token_formula(h, w, t)
+    assert got.dtype == torch.float64 and got.shape == t.shape  # float32 for 16/32-bit inputs
+    torch.testing.assert_close(got, want)
+    scale = 0.37 / mask.sum()  # any scalar times the masked sum: a token mean, a loss scale
+    for g, e in zip(torch.autograd.grad((got * mask).sum() * scale, [h, w]),
+                    torch.autograd.grad((want * mask).sum() * scale, [h, w])):  # fmt: skip
+        torch.testing.assert_close(g, e)
+
+
+def test_per_token_losses_refuse_a_gradient_not_proportional_to_the_weights():
+    from loong_kernels import linear_cross_entropy_per_token
+
+    h, w, t = _data()
+    losses = linear_cross_entropy_per_token(h, w, t, torch.ones(t.shape[0]))
+    with pytest.raises(RuntimeError, match="not proportional to token_weight"):
+        (losses * torch.arange(t.shape[0])).sum().backward()
+
+
+def test_per_token_losses_without_grad_mode_compute_no_gradients():
+    from loong_kernels import linear_cross_entropy_per_token
+
+    h, w, t = _data()
+    with torch.no_grad():
+        losses = linear_cross_entropy_per_token(h, w, t, torch.ones(t.shape[0]))
+    assert losses.grad_fn is None
+    torch.testing.assert_close(losses, _per_token_formula(h, w, t).detach())

@@ -45,12 +45,27 @@ def test_the_local_block_is_megatrons_local_gpt_block_with_sdpa_and_loong_rmsnor
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from loong_models.attention import SDPAttention
-    from loong_models.norm import RMSNorm
+    from loong_models.norm import RMSNorm, tp_replicated
 
     config = config_of(name)
     theirs = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if config.multi_latent_attention:  # MLA's latent norms take Loong's TP gradient correction
+        theirs = with_latent_norms(theirs, tp_replicated(WrappedTorchNorm))
     swap = {DotProductAttention: SDPAttention, WrappedTorchNorm: RMSNorm}
     assert tree(decoder_block_spec(config, backend="local")) == tree(theirs, swap)
+
+
+def with_latent_norms(block, norm):
+    """A block spec of MLA layers with ``norm`` as their query and KV latent norms."""
+
+    def layer(spec):
+        attn = spec.submodules.self_attention
+        attn = dataclasses.replace(
+            attn, submodules=dataclasses.replace(attn.submodules, q_layernorm=norm, kv_layernorm=norm)
+        )
+        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
+
+    return dataclasses.replace(block, layer_specs=[layer(s) for s in block.layer_specs])
 
 
 @pytest.mark.gpu

@@ -5,10 +5,9 @@ Usage: ``torchrun --nproc-per-node N cp_worker.py OUT.json LAYOUT...`` with LAYO
 runs every sample of the batch in chunks instead of megatron's schedule; ``sp``: sequence
 parallelism, which megatron requires for MoE with TP). The model is a tiny GQA Llama;
 ``mla-...`` runs deepseek-v3-tiny instead (multi-latent attention: query/key and value head sizes
-differ, a decoupled RoPE part; MoE layers after the first), ``mla-mtp-...`` with one
-multi-token-prediction layer. ``LAYOUT@REF`` compares LAYOUT with layout REF instead of one
-process (MLA x TP: the local backend's MLA under TP does not match one process, with or without
-CP). The first pass runs with tp = pp = cp = 1 (every rank computes the whole global batch: the
+differ, a decoupled RoPE part shared by the heads; MoE layers after the first), ``mla-mtp-...``
+with one multi-token-prediction layer, ``mla-dense-...`` with dense layers only (TP without SP).
+The first pass runs with tp = pp = cp = 1 (every rank computes the whole global batch: the
 one-process numbers); then each layout runs the same model, weights and global batch through
 megatron's schedule, DDP and ``finalize_model_grads`` (which reduces gradients and token counts
 over DP x CP). Every parameter's gradient is gathered back to full size (over TP and PP) and
@@ -17,6 +16,7 @@ compared with the reference; rank 0 writes the largest differences to OUT.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from functools import partial
@@ -27,12 +27,14 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from loong_data import collate_packed
-from loong_models import build_model, build_transformer_config, fusion_fields, load_model_config
+from loong_models import ModelConfig, build_model, build_transformer_config, fusion_fields, load_model_config
 from loong_models.chunked import enable_chunkpipe
+from loong_models.foundation.build import moe_fields
 from loong_models.packed_seq import packed_seq_params
 from loong_parallel import (
     ParallelConfig,
@@ -43,6 +45,7 @@ from loong_parallel import (
 )
 from loong_parallel.chunkpipe import chunkpipe_forward_backward
 from loong_parallel.context_parallel import split_for_context_parallel
+from loong_parallel.testing import full_grads, tp_shard
 from loong_xpu import get_accelerator, redirect_cuda
 
 SEQ, MICRO, MICROBATCHES, LAYERS = 32, 2, 2, 4
@@ -51,7 +54,7 @@ CAPACITY = 64
 CHUNK = 12  # ChunkPipe layouts: chunk boundaries fall inside documents, the last chunk is short
 
 
-# model key (the words "mla" / "mtp" of a layout name, see model_key) -> (zoo name, overrides)
+# model key (the words "mla" / "mtp" / "dense" of a layout name, see model_key) -> (zoo name, overrides)
 MODELS = {
     "gqa": ("tiny", [f"foundation.num_layers={LAYERS}", "foundation.hidden_size=64", "foundation.ffn_hidden_size=128",
                      "foundation.kv_channels=16", "foundation.num_attention_heads=4",
@@ -59,17 +62,25 @@ MODELS = {
     "mla": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "layer_backend=local"]),
     "mla-mtp": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "foundation.mtp_num_layers=1",
                                      "layer_backend=local"]),
+    "mla-dense": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "layer_backend=local"]),
 }  # fmt: skip
 
 
+def without_moe(tconfig: TransformerConfig, cfg: ModelConfig) -> TransformerConfig:
+    """``mla-dense``: deepseek-v3 requires MoE, and megatron's MoE refuses TP without SP; MLA under TP
+    without SP (its RoPE key's gradient is reduced differently there) runs with dense MLPs instead."""
+    moe = moe_fields(cfg.foundation)
+    defaults = {f.name: f.default for f in dataclasses.fields(tconfig) if f.name in moe}
+    return dataclasses.replace(tconfig, **defaults)
+
+
 def model_key(layout: str) -> str:
-    words = [w for w in layout.split("-") if w in ("mla", "mtp")]
+    words = [w for w in layout.split("-") if w in ("mla", "mtp", "dense")]
     return "-".join(words) or "gqa"
 
 
 def parse(layout: str) -> tuple[ParallelConfig, bool, bool]:
     """(layout, packed data, ChunkPipe)."""
-    layout = layout.split("@")[0]
     kw: dict = {"cp_comm_type": "a2a" if "a2a" in layout else "p2p", "sequence_parallel": "sp" in layout.split("-")}
     for part in layout.split("-"):
         for key in ("cp", "tp", "pp"):
@@ -119,44 +130,23 @@ def global_name(name: str, offset: int) -> str:
     return f"decoder.layers.{int(i) + offset}.{rest}"
 
 
-def _shard(name: str, p, full: torch.Tensor) -> torch.Tensor:
-    tp = mpu.get_tensor_model_parallel_group()
-    if not getattr(p, "tensor_model_parallel", False) or tp.size() == 1:
-        return full
-    if name.endswith("linear_fc1.weight"):  # SwiGLU: each shard is [gate_r; up_r]
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp.size(), 0)[tp.rank()], up.chunk(tp.size(), 0)[tp.rank()]])
-    return full.chunk(tp.size(), dim=p.partition_dim)[tp.rank()]
-
-
 @torch.no_grad()
 def load_weights(chunks, weights: dict[str, torch.Tensor], layers_per_stage: int) -> None:
     """The one-stage model's weights into this layout (layers of later pipeline stages are
     initialised from other RNG draws, so every layout starts from the reference's weights)."""
     offset = mpu.get_pipeline_model_parallel_rank() * layers_per_stage
-    for name, p in unwrap(chunks[0]).named_parameters():
+    model = unwrap(chunks[0])
+    for name, p in model.named_parameters():
         key = global_name(name, offset)
         if key == "output_layer.weight" and key not in weights:
             key = "embedding.word_embeddings.weight"  # tied embeddings: the last stage's copy
-        p.copy_(_shard(name, p, weights[key]))
+        p.copy_(tp_shard(model, name, p, weights[key]))
 
 
-def full_grads(chunks, layers_per_stage: int) -> dict[str, torch.Tensor]:
-    """name (global layer numbers) -> this param's whole gradient, gathered over TP."""
-    tp = mpu.get_tensor_model_parallel_group()
+def stage_grads(chunks, layers_per_stage: int) -> dict[str, torch.Tensor]:
+    """name (global layer numbers) -> this stage's parameter's whole gradient, gathered over TP."""
     offset = mpu.get_pipeline_model_parallel_rank() * layers_per_stage
-    out = {}
-    for name, p in unwrap(chunks[0]).named_parameters():
-        g = p.main_grad.detach().clone()
-        if getattr(p, "tensor_model_parallel", False) and tp.size() > 1:
-            shards = [torch.empty_like(g) for _ in range(tp.size())]
-            dist.all_gather(shards, g, group=tp)
-            if name.endswith("linear_fc1.weight"):  # SwiGLU: each shard is [gate_r; up_r]
-                halves = [s.chunk(2, dim=0) for s in shards]
-                shards = [h[0] for h in halves] + [h[1] for h in halves]
-            g = torch.cat(shards, dim=p.partition_dim)
-        out[global_name(name, offset)] = g
-    return out
+    return {global_name(name, offset): g for name, g in full_grads(unwrap(chunks[0])).items()}
 
 
 def samples(microbatch: dict) -> list[dict]:
@@ -190,6 +180,8 @@ def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False, we
     tconfig = build_transformer_config(
         cfg.foundation, **runtime_transformer_fields(pcfg, dtype=torch.float32, device_type="cpu"), **fusion_fields("local")
     )
+    if "dense" in model.split("-"):
+        tconfig = without_moe(tconfig, cfg)
 
     def provider(pre, post, vp_stage):
         return build_model(cfg, tconfig, device_type="cpu", pre_process=pre, post_process=post, vp_stage=vp_stage)
@@ -213,7 +205,7 @@ def run_layout(pcfg: ParallelConfig, thd: bool, accel, chunked: bool = False, we
         for o in outputs:
             total += o["lm loss"].double()
     dist.all_reduce(total)
-    grads = full_grads(chunks, LAYERS // pcfg.pp)
+    grads = stage_grads(chunks, LAYERS // pcfg.pp)
     gathered = [None] * world
     dist.all_gather_object(gathered, grads)
     merged: dict[str, torch.Tensor] = {}
@@ -238,15 +230,12 @@ def main() -> None:
     with redirect_cuda(accel):
         dist.init_process_group("gloo")
         cases = sorted({(model_key(x), parse(x)[1]) for x in layouts})
-        refs = {(m, thd, None): run_layout(ParallelConfig(), thd, accel, model=m) for m, thd in cases}
+        refs = {(m, thd): run_layout(ParallelConfig(), thd, accel, model=m) for m, thd in cases}
         report = {}
         for layout in layouts:
             pcfg, thd, chunked = parse(layout)
-            model, against = model_key(layout), layout.split("@")[1] if "@" in layout else None
-            weights = refs[model, thd, None][2]
-            if (model, thd, against) not in refs:  # LAYOUT@REF: compared with layout REF, not one process
-                refs[model, thd, against] = run_layout(parse(against)[0], thd, accel, weights=weights, model=model)
-            ref_loss, ref_grads, _ = refs[model, thd, against]
+            model = model_key(layout)
+            ref_loss, ref_grads, weights = refs[model, thd]
             loss, grads, _ = run_layout(pcfg, thd, accel, chunked, weights, model)
             if "output_layer.weight" in grads and "output_layer.weight" not in ref_grads:
                 # tied embeddings under PP: the last stage's output layer is a copy of the input

@@ -26,12 +26,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from loong_data.multimodal import (
-    PackedMultimodalDataset,
-    VisionProcessorConfig,
-    bundled_multimodal_shards,
-    collate_multimodal,
-)
+from loong_data.multimodal import collate_multimodal
+from loong_data.testing import bundled_samples_by_media, small_vision_processor
 from loong_models import build_model, build_transformer_config, fusion_fields, load_model_config
 from loong_parallel import (
     OptimConfig,
@@ -44,6 +40,7 @@ from loong_parallel import (
     unwrap,
 )
 from loong_parallel.forward import lm_forward_step
+from loong_parallel.testing import full_grads, tp_shard
 from loong_xpu import get_accelerator, redirect_cuda
 
 STEPS, SEQ, SEGMENT = 3, 512, 8
@@ -62,55 +59,12 @@ def parse(layout: str) -> tuple[ParallelConfig, str]:
 
 def microbatches(out_dir: Path, model: str) -> list[dict]:
     """Text only, one image, five images of different sizes (two samples), an image and a video."""
-    cfg = load_model_config(model)
-    e = cfg.image_encoder
-    processor = VisionProcessorConfig(patch_size=e.patch_size, temporal_patch_size=e.temporal_patch_size,
-                                      merge_size=e.spatial_merge_size, max_pixels=112 * 112,
-                                      video_min_pixels=56 * 56, video_max_pixels=56 * 56)  # fmt: skip
-    if dist.get_rank() == 0:
-        bundled_multimodal_shards(out_dir / "shards")
-    dist.barrier()
-    ds = PackedMultimodalDataset(bundled_multimodal_shards(out_dir / "shards"), seq_length=SEQ, processor=processor,
-                                 seed=0, shuffle_buffer=1)  # fmt: skip
-    by_media: dict[tuple[int, int], list] = {}
-    for s in ds.samples(0):
-        key = (sum(k == "image" for k, _ in s.media), sum(k == "video" for k, _ in s.media))
-        by_media.setdefault(key, []).append(s)
+    e = load_model_config(model).image_encoder
+    processor = small_vision_processor(e.patch_size, e.temporal_patch_size, e.spatial_merge_size)
+    _, by_media = bundled_samples_by_media(out_dir / "shards", processor, SEQ)
     packs = [[by_media[(0, 0)][0], by_media[(0, 0)][1]], [by_media[(1, 0)][0]],
              [by_media[(4, 0)][0], by_media[(1, 0)][1]], [by_media[(1, 1)][0]]]  # fmt: skip
     return [collate_multimodal(p, processor, segment_multiple=SEGMENT) for p in packs]
-
-
-def _fc1_gated(model: torch.nn.Module, name: str) -> bool:
-    """Whether a ``linear_fc1`` weight holds [gate; up] (each TP shard then is [gate_r; up_r])."""
-    return name.endswith("linear_fc1.weight") and model.get_submodule(name.rsplit(".", 1)[0]).config.gated_linear_unit
-
-
-def _shard(model, name: str, p, full: torch.Tensor) -> torch.Tensor:
-    tp = mpu.get_tensor_model_parallel_group()
-    if not getattr(p, "tensor_model_parallel", False) or tp.size() == 1:
-        return full
-    if _fc1_gated(model, name):
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp.size(), 0)[tp.rank()], up.chunk(tp.size(), 0)[tp.rank()]])
-    return full.chunk(tp.size(), dim=p.partition_dim)[tp.rank()]
-
-
-def full_grads(model) -> dict[str, torch.Tensor]:
-    """name -> this parameter's whole gradient, gathered over TP."""
-    tp = mpu.get_tensor_model_parallel_group()
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.main_grad.detach().clone()
-        if getattr(p, "tensor_model_parallel", False) and tp.size() > 1:
-            shards = [torch.empty_like(g) for _ in range(tp.size())]
-            dist.all_gather(shards, g, group=tp)
-            if _fc1_gated(model, name):
-                halves = [s.chunk(2, dim=0) for s in shards]
-                shards = [h[0] for h in halves] + [h[1] for h in halves]
-            g = torch.cat(shards, dim=p.partition_dim)
-        out[name] = g
-    return out
 
 
 def run_layout(pcfg: ParallelConfig, model_name: str, accel, batches: list[dict], weights: dict | None = None):
@@ -133,7 +87,7 @@ def run_layout(pcfg: ParallelConfig, model_name: str, accel, batches: list[dict]
     else:
         with torch.no_grad():
             for n, p in model.named_parameters():
-                p.copy_(_shard(model, n, p, weights[n]))
+                p.copy_(tp_shard(model, n, p, weights[n]))
     optimizer, scheduler = build_optimizer(OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant"), pcfg,
                                            chunks, dtype=torch.float32, total_steps=STEPS)  # fmt: skip
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()

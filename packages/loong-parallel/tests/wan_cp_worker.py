@@ -32,6 +32,7 @@ from loong_parallel import (
     initialize_model_parallel,
     unwrap,
 )
+from loong_parallel.testing import full_grads, tp_shard
 from loong_xpu import get_accelerator, redirect_cuda
 
 STEPS, MICROBATCHES, MICRO, LR = 2, 2, 2, 0.5
@@ -56,27 +57,6 @@ def batches(step: int, text_dim: int) -> list[dict]:
         ids = torch.arange(MICRO) + (step * MICROBATCHES + m) * MICRO
         out.append({"latents": torch.randn(MICRO, *LATENTS, generator=g), "sample_ids": ids,
                     "context": torch.randn(MICRO, TEXT, text_dim, generator=g)})  # fmt: skip
-    return out
-
-
-def _shard(p, full: torch.Tensor) -> torch.Tensor:
-    tp = mpu.get_tensor_model_parallel_group()
-    if not getattr(p, "tensor_model_parallel", False) or tp.size() == 1:
-        return full
-    return full.chunk(tp.size(), dim=p.partition_dim)[tp.rank()]
-
-
-def full_grads(model) -> dict[str, torch.Tensor]:
-    """name -> the parameter's whole gradient, gathered over TP."""
-    tp = mpu.get_tensor_model_parallel_group()
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.main_grad.detach().clone()
-        if getattr(p, "tensor_model_parallel", False) and tp.size() > 1:
-            shards = [torch.empty_like(g) for _ in range(tp.size())]
-            dist.all_gather(shards, g, group=tp)
-            g = torch.cat(shards, dim=p.partition_dim)
-        out[name] = g
     return out
 
 
@@ -133,7 +113,7 @@ def run_layout(pcfg: ParallelConfig, accel, weights: dict | None) -> tuple[list,
         if weights is None:
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         for n, p in model.named_parameters():
-            p.copy_(_shard(p, weights[n]))
+            p.copy_(tp_shard(model, n, p, weights[n]))
     velocity = per_token_velocity(model, cfg.diffusion)
     losses, grads = [], []
     for s in range(STEPS):

@@ -15,7 +15,7 @@ from loong_models.foundation import MoEConfig
 from loong_parallel import OptimConfig, ParallelConfig, ProfileConfig
 from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_parallel.encoder_layout import encoder_layout_errors
-from loong_parallel.runtime import cuda_graph_conflicts, wgrad_fusion_conflicts
+from loong_parallel.runtime import cuda_graph_conflicts, output_loss_conflicts, wgrad_fusion_conflicts
 
 
 class DType(StrEnum):
@@ -131,7 +131,7 @@ def _cross_package_errors(cfg: Config) -> list[str]:
                       "diffusion model (e.g. model=wan-tiny) trains on data.kind=diffusion, and only it does")  # fmt: skip
     return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
             + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg) + cuda_graph_conflicts(p, cfg.model, d.packing)
-            + wgrad_fusion_conflicts(p, cfg.model))
+            + wgrad_fusion_conflicts(p, cfg.model) + output_loss_conflicts(p, cfg.model))
 
 
 

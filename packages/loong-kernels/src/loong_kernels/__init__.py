@@ -1,6 +1,7 @@
 """loong-kernels: fused training operators, each with a plain-torch reference.
 
     from loong_kernels import rms_norm, swiglu, linear_cross_entropy, deepseek_sparse_attention
+    from loong_kernels import linear_cross_entropy_per_token  # the output layer's loss in training
 
 TileLang kernels run on CUDA when ``tilelang`` is installed; everywhere else the torch
 references in :mod:`loong_kernels.reference` run. :mod:`loong_kernels.dispatch` decides.
@@ -17,7 +18,7 @@ from loong_kernels.ops.dsa import (
     sparse_attention_head_mean_probs,
     sparse_mla_attention,
 )
-from loong_kernels.ops.linear_cross_entropy import linear_cross_entropy
+from loong_kernels.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_per_token
 from loong_kernels.ops.rms_norm import rms_norm
 from loong_kernels.ops.swiglu import swiglu
 
@@ -30,6 +31,7 @@ __all__ = [
     "lightning_indexer_scores",
     "lightning_indexer_topk",
     "linear_cross_entropy",
+    "linear_cross_entropy_per_token",
     "rms_norm",
     "select_topk",
     "sparse_attention_head_mean_probs",

@@ -68,6 +68,10 @@ KERNELS: dict[str, KernelEntry] = {
         f"{_REF}.linear_cross_entropy:linear_cross_entropy_chunked",
         f"{_TL}.linear_cross_entropy:linear_cross_entropy", f"{_TL}.linear_cross_entropy:supports",
     ),  # fmt: skip
+    "linear_cross_entropy_tokens": KernelEntry(
+        f"{_REF}.linear_cross_entropy:linear_cross_entropy_tokens_chunked",
+        f"{_TL}.linear_cross_entropy:linear_cross_entropy_tokens", f"{_TL}.linear_cross_entropy:supports",
+    ),  # fmt: skip
     "indexer_scores": KernelEntry(f"{_REF}.dsa:indexer_scores", f"{_TL}.indexer:indexer_scores", f"{_TL}.indexer:supports_scores"),
     "indexer_topk": KernelEntry(
         f"{_REF}.dsa:indexer_topk", f"{_TL}.indexer:indexer_topk", f"{_TL}.indexer:supports_indexer_topk",
@@ -237,6 +241,11 @@ TUNED: dict[str, TunedOp] = {
     # the same bf16 logits and gradients, chunked differently: dW is rounded to bf16 once per chunk
     "linear_cross_entropy": TunedOp(
         ("linear_cross_entropy",), "loong_kernels.ops.linear_cross_entropy_tuning:trial",
+        "loong_kernels.ops.linear_cross_entropy_tuning:bucket", "loong_kernels.agreement:rel_diff", 2e-2,
+    ),  # fmt: skip
+    # the per-token form (the output layer's loss in training): the same chunk loop, raced apart
+    "linear_cross_entropy_tokens": TunedOp(
+        ("linear_cross_entropy_tokens",), "loong_kernels.ops.linear_cross_entropy_tuning:trial",
         "loong_kernels.ops.linear_cross_entropy_tuning:bucket", "loong_kernels.agreement:rel_diff", 2e-2,
     ),  # fmt: skip
     # bf16 scores round near-ties differently: up to 1% of the keys may differ from the reference's

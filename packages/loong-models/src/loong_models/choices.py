@@ -13,6 +13,13 @@ class Recompute(StrEnum):
     full = "full"  # whole layers
 
 
+class OutputLoss(StrEnum):
+    """How a language model's output layer computes its loss (loong_models.foundation.output_loss)."""
+
+    megatron = "megatron"  # logits, then megatron's vocab-parallel cross-entropy
+    fused = "fused"  # linear + cross-entropy per token chunk (loong_kernels), no full logits
+
+
 class Norm(StrEnum):
     """megatron's TransformerConfig.normalization."""
 

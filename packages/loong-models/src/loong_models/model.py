@@ -52,6 +52,11 @@ class ModelConfig:
     layer_backend: LayerBackend = LayerBackend.auto
     # TE's attention kernel: auto | flash | fused (cuDNN) | unfused; anything but auto needs TE layers
     attention_backend: AttentionBackend = AttentionBackend.auto
+    # With TE layers: megatron's torch.compile'd bias-dropout-add (after attention and MLP) and
+    # bias-SwiGLU, in every component; each call costs ~0.2 ms of host time (guards, AOT wrapper,
+    # Triton launch), which a host-bound step (small layers, many of them) pays in wall time.
+    fuse_bias_dropout_add: bool = True
+    fuse_bias_activation: bool = True
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
     # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,

@@ -40,7 +40,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from loong_models.attention import DSAttention, DSAttentionSubmodules, LightningIndexer, SDPAttention
 from loong_models.log import logger
-from loong_models.norm import RMSNorm
+from loong_models.norm import RMSNorm, tp_replicated
 
 
 class LayerBackend(StrEnum):
@@ -97,7 +97,9 @@ class LocalSpecProvider(MegatronLocalSpecProvider):
     :class:`SDPAttention` as core attention and loong-kernels' RMSNorm."""
 
     def linear(self) -> type:
-        """A linear not split over TP (MLA's down projections), as TESpecProvider.linear."""
+        """MLA's down projections, as megatron's local spec: column-parallel, MLA gathers their
+        outputs (TE: a TP-duplicated TELinear; loong_xpu.mla_rope_key sums the shared RoPE key's
+        gradient over TP for both)."""
         return ColumnParallelLinear
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False) -> type:
@@ -300,9 +302,8 @@ def _mla_attention(provider: BackendSpecProvider, shape: LayerShape) -> ModuleSp
     fused = provider.fuse_layernorm_and_linear()
     column = provider.column_parallel_linear()
     up = provider.column_parallel_layer_norm_linear() if fused and shape.qk_layernorm else column
-    latent_norm = (
-        provider.layer_norm(rms_norm=shape.rms_norm, for_qk=True) if shape.qk_layernorm else IdentityOp
-    )
+    norm = provider.layer_norm(rms_norm=shape.rms_norm, for_qk=True)
+    latent_norm = tp_replicated(norm) if shape.qk_layernorm else IdentityOp
     return ModuleSpec(
         module=MLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -361,18 +362,23 @@ def _dsa_layer(spec: ModuleSpec, provider: BackendSpecProvider) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=sub)
 
 
-def fusion_fields(backend: str) -> dict[str, bool]:
+def fusion_fields(backend: str, *, bias_dropout_add: bool = True, bias_activation: bool = True) -> dict[str, bool]:
     """TransformerConfig switches for fused kernels that exist only with the TE backend
     (fused RoPE, SwiGLU, bias-dropout-add, wgrad accumulation into main_grad, fused CE), and the
     MoE experts' implementation: TE's grouped GEMM (TEGroupedMLP) with TE, else megatron's
     SequentialMLP (one local MLP per expert; megatron's non-TE GroupedMLP needs the grouped_gemm
-    package, which Loong does not require)."""
+    package, which Loong does not require).
+
+    ``bias_dropout_add`` / ``bias_activation`` (``model.fuse_bias_dropout_add`` /
+    ``model.fuse_bias_activation``): megatron's torch.compile'd elementwise fusions, each call of
+    which pays Dynamo's guards, the AOT wrapper and a Triton launch on the host (~0.2 ms a call,
+    measured on an H100 host); off, the same math runs as eager ops."""
     on = backend == "te"
     return dict(
         moe_grouped_gemm=on,
         apply_rope_fusion=on,
-        bias_activation_fusion=on,
-        bias_dropout_fusion=on,
+        bias_activation_fusion=on and bias_activation,
+        bias_dropout_fusion=on and bias_dropout_add,
         masked_softmax_fusion=False,  # unused: attention is TE's or SDPA
         # megatron's flag refuses to build its own linears without apex: parallel.wgrad_fusion
         # switches the built modules instead (loong_parallel.model.fuse_wgrad_accumulation).

@@ -4,15 +4,18 @@ world, and a test-local HF -> Loong weight map for the two ViT types (loong-ckpt
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loong_models import (
     FoundationConfig,
     ImageEncoderConfig,
     ImageProjectorConfig,
     build_transformer_config,
+    fusion_fields,
     packed_seq_params,
 )
 from loong_models.image_encoder import ImageEncoder, build_encoder_transformer_config
+from loong_models.image_encoder.vit import COMPILED_FUSIONS
 from loong_models.image_projector import ImageProjector, build_projector_transformer_config
 
 
@@ -26,11 +29,14 @@ def build_vision(
 ):
     """Encoder (+ projector), fp32 on the CPU with the local backend by default (needs a megatron
     world)."""
+    # the compiled fusions as the train app's foundation has them (the encoder follows its choice)
+    fused = {k: v for k, v in fusion_fields(backend).items() if k in COMPILED_FUSIONS}
     base = build_transformer_config(
         FoundationConfig(),
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=backend == "local",
+        **fused,
     )
     econf = build_encoder_transformer_config(enc, base, tensor_model_parallel_size=1, backend=backend)
     encoder = ImageEncoder(enc, econf, layer_backend=backend)
@@ -161,3 +167,16 @@ def packed_batch(seed: int = 0, patch_dim: int = 1176):
         pixel_values=torch.randn(24, patch_dim, generator=g), image_grid_thw=torch.tensor([image]),
         pixel_values_videos=torch.randn(32, patch_dim, generator=g), video_grid_thw=torch.tensor([video]),
     )  # fmt: skip
+
+
+class AtenOpCounter(TorchDispatchMode):
+    """Counts the aten ops run inside it (``calls``; the ops a profiler lists): host bookkeeping
+    whose op count grows with a micro-batch's images or text tokens shows up as a count that grows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))

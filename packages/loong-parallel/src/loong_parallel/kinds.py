@@ -102,7 +102,9 @@ class LanguageModel:
         options, grouped-GEMM experts)."""
         return build_transformer_config(self.cfg.foundation,
                                         **runtime_transformer_fields(parallel, dtype=dtype, device_type=device_type),
-                                        **fusion_fields(self.backend), **self._precision_fields(parallel),
+                                        **fusion_fields(self.backend, bias_dropout_add=self.cfg.fuse_bias_dropout_add,
+                                                        bias_activation=self.cfg.fuse_bias_activation),
+                                        **self._precision_fields(parallel),
                                         **attention_backend_fields(self.cfg.attention_backend))  # fmt: skip
 
     def _precision_fields(self, parallel: ParallelConfig) -> dict:

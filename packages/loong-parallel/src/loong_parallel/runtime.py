@@ -82,3 +82,24 @@ def wgrad_fusion_conflicts(pcfg: ParallelConfig, model: Any) -> list[str]:
         return ["parallel.wgrad_fusion=true cannot combine with an embodied model (plain torch layers: no megatron "
                 "or TE linears to fuse); use false or null (auto)"]  # fmt: skip
     return []
+
+
+def output_loss_conflicts(pcfg: ParallelConfig, model: Any) -> list[str]:
+    """Why ``model.foundation.output_loss=fused`` (loong_models.foundation.output_loss) cannot run
+    with this layout: it computes the whole vocabulary's cross-entropy on one rank from
+    whole-sequence hidden states. Pipeline stages (only the last one computes the loss) and context
+    parallelism (each rank's tokens, the same averaging) should work by construction, but no test
+    compares them with megatron's loss yet, so they are refused too."""
+    f = model.foundation
+    if model.is_diffusion or model.is_embodied or f.output_loss != "fused":
+        return []
+    tp = f.tensor_model_parallel_size or pcfg.tp
+    cannot = {
+        f"parallel.tp={tp} (the output layer's vocabulary is split across ranks)": tp > 1,
+        "parallel.sequence_parallel=true": pcfg.sequence_parallel,
+        "parallel.chunkpipe (it computes each chunk's loss itself)": pcfg.chunkpipe.chunk_size is not None,
+        f"parallel.pp={pcfg.pp} (not yet tested against megatron's loss)": pcfg.pp > 1,
+        f"parallel.cp={pcfg.cp} (not yet tested against megatron's loss)": pcfg.cp > 1,
+    }
+    return [f"model.foundation.output_loss=fused cannot combine with {what}; use output_loss=megatron"
+            for what, present in cannot.items() if present]  # fmt: skip

@@ -159,6 +159,12 @@ def _mtp_loss_of(accel: Accelerator):
     return make_process_mtp_loss(accel)
 
 
+def _mla_down_projection_of(accel: Accelerator):
+    from loong_xpu.mla_rope_key import make_qkv_down_projection
+
+    return make_qkv_down_projection(accel)
+
+
 MANIFEST: tuple[Patch, ...] = (
     Patch(
         "torch.cuda:current_device",
@@ -332,6 +338,16 @@ MANIFEST: tuple[Patch, ...] = (
         _mtp_loss_of,
         on_cuda=True,
     ),
+    Patch(
+        "megatron.core.transformer.multi_latent_attention:MLASelfAttention._qkv_down_projection",
+        "MLA's RoPE key part (k_pe) is shared by all heads, but each TP rank expands it over its own "
+        "heads: megatron sums its gradient over TP only for a duplicated down projection under "
+        "sequence parallelism (megatron-core issue #1699). Without SP, or with the local backend's "
+        "column-parallel down projection, every gradient below MLA differs from one process's. "
+        "loong_xpu.mla_rope_key routes k_pe so that its gradient is all-reduced (or reduce-scattered)",
+        _mla_down_projection_of,
+        on_cuda=True,
+    ),
 )
 """Attribute patches. The device-argument rewrite (:class:`_DeviceRedirectMode`) is the one
 patch that is not an attribute: it is a TorchFunctionMode, entered by :func:`redirect_cuda`
@@ -340,8 +356,10 @@ for ``device="cuda"`` / integer-ordinal arguments of factory functions, ``Tensor
 
 
 def _resolve(target: str) -> tuple[object, str]:
-    module_name, attr = target.split(":")
-    return importlib.import_module(module_name), attr
+    """``module:attr`` or ``module:Class.attr`` -> (the module or class, attr)."""
+    module_name, path = target.split(":")
+    *owners, attr = path.split(".")
+    return functools.reduce(getattr, owners, importlib.import_module(module_name)), attr
 
 
 @dataclass

@@ -59,3 +59,76 @@ def linear_cross_entropy(
     if h.shape[0] != t.shape[0]:
         raise ValueError(f"hidden has {h.shape[0]} tokens but target has {t.shape[0]}")
     return LinearCrossEntropyFunction.apply(h, weight, t, ignore_index, chunk_size)
+
+
+class LinearCrossEntropyTokensFunction(torch.autograd.Function):
+    """Per-token losses whose gradients are computed in the forward, for an incoming gradient
+    proportional to ``token_weight`` (``c * token_weight``, ``c`` a scalar found in the backward)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        token_weight: torch.Tensor,
+        chunk_size: int | None,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        need = (grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1])
+        args = (hidden, weight, target, token_weight, chunk_size, *need)
+        losses, dh, dw = call_with(choose_op("linear_cross_entropy_tokens", *args), "linear_cross_entropy_tokens", *args)
+        ctx.save_for_backward(token_weight, *(g for g in (dh, dw) if g is not None))
+        ctx.has = need
+        return losses
+
+    @staticmethod
+    def backward(ctx: Any, dlosses: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.has is None:
+            raise RuntimeError("linear_cross_entropy_per_token: backward ran twice (its gradients are used up)")
+        token_weight, *saved = ctx.saved_tensors
+        dh = saved.pop(0) if ctx.has[0] else None
+        dw = saved.pop(0) if ctx.has[1] else None
+        ctx.has = None
+        c = _proportional_scale(dlosses.float(), token_weight.float())
+        # dh and dW are the forward's (the logits are gone), scaled in place: no second weight-sized buffer
+        return (None if dh is None else dh.mul_(c.to(dh.dtype)), None if dw is None else dw.mul_(c.to(dw.dtype)),
+                None, None, None, None)  # fmt: skip
+
+
+def _proportional_scale(grad: torch.Tensor, token_weight: torch.Tensor) -> torch.Tensor:
+    """The scalar ``c`` with ``grad == c * token_weight``; a gradient that is not proportional
+    fails (asynchronously on a GPU: no host sync)."""
+    c = (grad * token_weight).sum() / (token_weight * token_weight).sum().clamp(min=torch.finfo(torch.float32).tiny)
+    err = (grad - c * token_weight).abs().max() if grad.numel() else grad.new_zeros(())
+    bound = 1e-4 * (c.abs() * token_weight.abs().max() if grad.numel() else grad.new_zeros(())) + 1e-30
+    torch._assert_async(
+        err <= bound,
+        "linear_cross_entropy_per_token: the gradient reaching the per-token losses is not proportional to "
+        "token_weight (the losses must be reduced as sum(token_weight * loss) times one scale)",
+    )
+    return c
+
+
+def linear_cross_entropy_per_token(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    token_weight: torch.Tensor,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Each token's cross-entropy of ``hidden @ weight.T`` against ``target``, float32 ``[...]``
+    (``target``'s shape), without the full logits.
+
+    For training at the speed of the fused mean: the gradients are computed in the forward, for
+    losses reduced as ``c * sum(token_weight * loss)`` (a loss mask, any scalar ``c`` such as
+    1 / tokens or a loss scale), which is what the backward accepts (anything else fails). A
+    target outside ``[0, vocab)`` has no target logit (megatron's convention); weight it 0.
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1)
+    w = token_weight.reshape(-1).to(torch.float32)
+    if not h.shape[0] == t.shape[0] == w.shape[0]:
+        raise ValueError(f"hidden has {h.shape[0]} tokens, target {t.shape[0]}, token_weight {w.shape[0]}")
+    losses = LinearCrossEntropyTokensFunction.apply(h, weight, t, w, chunk_size, torch.is_grad_enabled())
+    return losses.view(target.shape)

@@ -10,21 +10,15 @@ import torch
 from loong_kernels.autotune import Step, token_bucket
 
 
-def bucket(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int,
-    chunk_size: int | None,
-    need_grad_hidden: bool,
-    need_grad_weight: bool,
-) -> tuple:
-    """Tokens rounded up to a power of two; width, vocab and which gradients exactly."""
+def bucket(hidden: torch.Tensor, weight: torch.Tensor, *rest: object) -> tuple:
+    """Tokens rounded up to a power of two; width, vocab and which gradients exactly. ``rest``: the
+    other arguments of either form (mean or per-token), ending in the two gradient flags."""
+    need_grad_hidden, need_grad_weight = rest[-2:]
     grads = "+".join(n for n, need in (("dh", need_grad_hidden), ("dW", need_grad_weight)) if need) or "none"
     return (token_bucket(hidden.shape[0]), f"D={hidden.shape[1]}", f"V={weight.shape[0]}", f"grads={grads}")
 
 
 def trial(kernels: dict[str, Callable], *args: object) -> Step:
     """``[loss, dh, dW]`` (those asked for) of one run."""
-    fn = kernels["linear_cross_entropy"]
+    (fn,) = kernels.values()  # linear_cross_entropy or linear_cross_entropy_tokens
     return lambda: [x for x in fn(*args) if x is not None]

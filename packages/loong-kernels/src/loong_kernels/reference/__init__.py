@@ -6,6 +6,7 @@ They run on any device and are what :mod:`loong_kernels.dispatch` picks where Ti
 from loong_kernels.reference import dsa
 from loong_kernels.reference.linear_cross_entropy import (
     linear_cross_entropy_chunked,
+    linear_cross_entropy_tokens_chunked,
     linear_cross_entropy_unfused,
 )
 from loong_kernels.reference.rms_norm import rms_norm_bwd, rms_norm_fwd
@@ -14,6 +15,7 @@ from loong_kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
 __all__ = [
     "dsa",
     "linear_cross_entropy_chunked",
+    "linear_cross_entropy_tokens_chunked",
     "linear_cross_entropy_unfused",
     "rms_norm_bwd",
     "rms_norm_fwd",

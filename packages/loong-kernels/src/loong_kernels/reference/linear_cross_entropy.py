@@ -45,13 +45,36 @@ def linear_cross_entropy_chunked(
     With every token ignored the loss is 0 (not NaN) and the gradients are zero, so an all-padding
     micro-batch does not poison training.
     """
+    scale = mean_scale(target, ignore_index, acc_dtype(hidden))
+    per_token, grad_hidden, grad_weight = linear_cross_entropy_tokens_chunked(
+        hidden, weight, target, scale, chunk_size, need_grad_hidden, need_grad_weight
+    )
+    return (per_token * scale).sum(), grad_hidden, grad_weight
+
+
+def mean_scale(target: torch.Tensor, ignore_index: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's weight in the mean over non-ignored tokens: 1 / count, 0 when ignored."""
+    valid = target != ignore_index
+    return valid.to(dtype) / max(int(valid.sum()), 1)
+
+
+def linear_cross_entropy_tokens_chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    scale: torch.Tensor,
+    chunk_size: int | None,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each token's cross-entropy ``[tokens]`` and, if asked, the gradients of ``sum(scale * loss)``
+    w.r.t. hidden and weight. A target outside ``[0, vocab)`` has no target logit (its loss is the
+    logsumexp, as in megatron's vocab-parallel cross-entropy); give it scale 0 to ignore it."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     chunk = chunk_size or default_chunk_size(vocab)
-    valid = target != ignore_index
-    n_valid = int(valid.sum())
-    denom = max(n_valid, 1)
-
-    loss_sum = torch.zeros((), dtype=acc_dtype(hidden), device=hidden.device)
+    in_vocab = (target >= 0) & (target < vocab)
+    safe_target = torch.where(in_vocab, target, 0)
+    losses = torch.empty(n_tokens, dtype=acc_dtype(hidden), device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     # Accumulated in the weight's dtype: one matmul per chunk accumulates in float32 inside, and
     # a float32 buffer would cost as much as the whole weight again at vocab 128K.
@@ -59,23 +82,22 @@ def linear_cross_entropy_chunked(
 
     for start in range(0, n_tokens, chunk):
         h = hidden[start : start + chunk]
-        t = target[start : start + chunk]
-        ok = valid[start : start + chunk]
+        t = safe_target[start : start + chunk, None]
+        ok = in_vocab[start : start + chunk]
         logits = acc(h @ weight.t())
         lse = torch.logsumexp(logits, dim=-1)
-        safe_t = torch.where(ok, t, 0)
-        picked = logits.gather(1, safe_t[:, None]).squeeze(1)
-        loss_sum += torch.where(ok, lse - picked, 0.0).sum()
+        picked = logits.gather(1, t).squeeze(1)
+        losses[start : start + chunk] = lse - torch.where(ok, picked, 0.0)
         if not (need_grad_hidden or need_grad_weight):
             continue
-        # d(mean loss)/d logits = (softmax - onehot) / n_valid, zero on ignored rows;
-        # computed in place in the logits buffer to keep one [chunk, vocab] float32 alive.
+        # d(sum scale * loss)/d logits = (softmax - onehot) * scale; computed in place in the
+        # logits buffer to keep one [chunk, vocab] float32 alive.
         dlogits = logits.sub_(lse[:, None]).exp_()
-        dlogits.scatter_add_(1, safe_t[:, None], torch.full_like(picked[:, None], -1.0))
-        dlogits.mul_((ok.to(logits.dtype) / denom)[:, None])
+        dlogits.scatter_add_(1, t, -ok.to(logits.dtype)[:, None])
+        dlogits.mul_(scale[start : start + chunk].to(logits.dtype)[:, None])
         dlogits = dlogits.to(hidden.dtype)
         if grad_hidden is not None:
             torch.matmul(dlogits, weight, out=grad_hidden[start : start + chunk])
         if grad_weight is not None:
             grad_weight.addmm_(dlogits.t(), h)
-    return loss_sum / denom, grad_hidden, grad_weight
+    return losses, grad_hidden, grad_weight

@@ -28,16 +28,9 @@ _TILE = 2048
 _CHUNK_LOGIT_BYTES = 512 * 2**20
 
 
-def supports(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int,
-    chunk_size: int | None,
-    need_grad_hidden: bool,
-    need_grad_weight: bool,
-) -> bool:
-    # rows of 16-byte aligned logits; the GEMMs are cuBLAS, so any hidden width works
+def supports(hidden: torch.Tensor, weight: torch.Tensor, *rest: object) -> bool:
+    """Both forms (mean or per-token). Rows of 16-byte aligned logits; the GEMMs are cuBLAS, so
+    any hidden width works."""
     return weight.dtype == hidden.dtype and weight.shape[0] % 8 == 0 and weight.device == hidden.device
 
 
@@ -128,6 +121,22 @@ def linear_cross_entropy(
     return chunked_with(kernel, *args, overlap=OVERLAP)
 
 
+def linear_cross_entropy_tokens(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    scale: torch.Tensor,
+    chunk_size: int | None,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Same contract as :func:`loong_kernels.reference.linear_cross_entropy.linear_cross_entropy_tokens_chunked`."""
+    need_grad = need_grad_hidden or need_grad_weight
+    kernel = build_ce(weight.shape[0], dtype_name(hidden.dtype), need_grad)
+    args = (hidden, weight, target, scale, chunk_size, need_grad_hidden, need_grad_weight)
+    return chunked_tokens_with(kernel, *args, overlap=OVERLAP)
+
+
 # Whether a chunk's gradient GEMMs run on a side stream while the next chunk's logits and softmax
 # kernel run (two logits buffers). Off until measured on a GPU (bench/kernels.py has both rows).
 OVERLAP = False
@@ -144,16 +153,37 @@ def chunked_with(
     need_grad_weight: bool,
     overlap: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The chunk loop around ``kernel(logits, scale, lse)`` (:func:`build_ce`'s contract; the CPU
-    tests pass a torch emulation of it). ``overlap``: see :data:`OVERLAP` (CUDA only)."""
+    """The mean loss over non-ignored tokens from :func:`chunked_tokens_with` (the CPU tests pass
+    a torch emulation of ``kernel``). ``overlap``: see :data:`OVERLAP` (CUDA only)."""
+    valid = target != ignore_index
+    scale = valid.to(torch.float32) / max(int(valid.sum()), 1)
+    args = (hidden, weight, target, scale, chunk_size, need_grad_hidden, need_grad_weight)
+    per_token, grad_hidden, grad_weight = chunked_tokens_with(kernel, *args, overlap=overlap)
+    return (per_token * scale).sum(), grad_hidden, grad_weight
+
+
+def chunked_tokens_with(
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    scale: torch.Tensor,
+    chunk_size: int | None,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+    overlap: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The chunk loop around ``kernel(logits, scale, lse)`` (:func:`build_ce`'s contract): each
+    token's loss and the gradients of ``sum(scale * loss)``. A target outside ``[0, vocab)`` has no
+    target logit (its loss is the logsumexp, as in megatron's vocab-parallel cross-entropy)."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     chunk = min(chunk_size or default_chunk_size(vocab), max(n_tokens, 1))
     need_grad = need_grad_hidden or need_grad_weight
-    valid = target != ignore_index
-    # ignored rows read column 0 for their (unused) target logit; their scale is 0
-    index = torch.where(valid, target, 0).long()[:, None]
-    scale = valid.to(torch.float32) / max(int(valid.sum()), 1)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    in_vocab = (target >= 0) & (target < vocab)
+    # a row without a target reads column 0 for its target logit: 0 in the loss, p0 * scale kept
+    index = torch.where(in_vocab, target, 0).long()[:, None]
+    scale = scale.to(torch.float32)
+    losses = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     # the first chunk's GEMM writes dW; zeros only for no tokens at all
     grad_weight = (
@@ -165,18 +195,18 @@ def chunked_with(
     for i, start in enumerate(range(0, n_tokens, chunk)):
         end = min(start + chunk, n_tokens)
         # a fresh copy of the chunk's scales: TileLang checks kernel arguments' alignment
-        h, sc, idx = hidden[start:end], scale[start:end].clone(), index[start:end]
+        h, sc, idx, ok = hidden[start:end], scale[start:end].clone(), index[start:end], in_vocab[start:end]
         lg, ls = buffers[i % len(buffers)][: end - start], lse[: end - start]
         if side is not None:
             side.release(i % len(buffers))  # its gradient GEMMs two chunks ago are done
         torch.mm(h, weight.t(), out=lg)
         picked = lg.gather(1, idx).squeeze(1).float()
         kernel(lg, sc, ls)
-        loss_sum += ((ls - picked) * sc).sum()
+        losses[start:end] = ls - torch.where(ok, picked, 0.0)
         if not need_grad:
             continue
         # the kernel left softmax * scale; the target's entry is (p - 1) * scale, from its float32 p
-        lg.scatter_(1, idx, ((torch.exp(picked - ls) - 1) * sc).to(lg.dtype)[:, None])
+        lg.scatter_(1, idx, ((torch.exp(picked - ls) - ok.float()) * sc).to(lg.dtype)[:, None])
         gemms = functools.partial(_gradient_gemms, h, lg, weight, grad_hidden, grad_weight, start, end)
         if side is not None:
             side.run(gemms, i % len(buffers))
@@ -184,7 +214,7 @@ def chunked_with(
             gemms()
     if side is not None:
         side.join()
-    return loss_sum, grad_hidden, grad_weight
+    return losses, grad_hidden, grad_weight
 
 
 class _SideStream:

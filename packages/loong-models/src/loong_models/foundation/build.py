@@ -2,7 +2,9 @@
 
 megatron-core 0.19 flags GPTModel as deprecated in favour of HybridModel, but HybridModel has no
 Llama-3 RoPE scaling and no multimodal RoPE (needed by Qwen2.5-VL), so the foundation is built on
-GPTModel. This module is the only place that names the model class.
+GPTModel. This module is the only place that chooses the model class: megatron's GPTModel, or
+its subclass :class:`~loong_models.foundation.output_loss.FusedLossGPTModel` for
+``output_loss: fused``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from loong_models.foundation.config import FoundationConfig
 from loong_models.foundation.families import get_family
 from loong_models.foundation.mrope import InterleavedMultimodalRotaryEmbedding
+from loong_models.foundation.output_loss import FusedLossGPTModel, OutputLoss
 from loong_models.specs import decoder_block_spec, mtp_block_spec
 
 
@@ -158,7 +161,8 @@ def build_foundation(
     ``deepstack``: layers that add DeepStack vision features (foundation/deepstack.py)."""
     rs = cfg.rope_scaling
     spec = decoder_block_spec(config, backend=layer_backend, vp_stage=vp_stage, deepstack=deepstack)
-    model = GPTModel(
+    model_class = FusedLossGPTModel if cfg.output_loss == OutputLoss.fused else GPTModel
+    model = model_class(
         config=config,
         transformer_layer_spec=spec,
         mtp_block_spec=mtp_block_spec(config, spec, backend=layer_backend, vp_stage=vp_stage),

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from loong_models.choices import Recompute
+from loong_models.choices import OutputLoss, Recompute
 from loong_models.foundation.families import FAMILIES, Family, FamilyName, get_family
 from loong_models.foundation.mla import MLAConfig, SparseAttentionConfig
 from loong_models.foundation.moe import MoEConfig
@@ -114,6 +114,10 @@ class FoundationConfig:
     mtp_num_layers: int | None = None
     # The MTP losses' weight (their mean over the layers) added to the LM loss.
     mtp_loss_scaling_factor: float = 0.1
+    # The LM loss of the output layer: megatron (logits, then megatron's fused vocab-parallel
+    # cross-entropy) or fused (loong_kernels' linear + cross-entropy per token chunk: no full
+    # logits; TP = PP = CP = 1, no sequence parallelism, no MTP). See foundation/output_loss.py.
+    output_loss: OutputLoss = OutputLoss.megatron
     # FP8 of the TE linears: off | on | adaptive (per GEMM kind, from a measured policy file)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     extra: dict = field(default_factory=dict)  # family-specific knobs, passed to TransformerConfig
@@ -157,6 +161,9 @@ class FoundationConfig:
         self._validate_moe(get_family(self.family), prefix)
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             raise ValueError(f"{prefix}.mtp_num_layers={self.mtp_num_layers}; expected null (no MTP) or >= 1")
+        if self.output_loss == OutputLoss.fused and self.mtp_num_layers:
+            raise ValueError(f"{prefix}.output_loss=fused cannot run with {prefix}.mtp_num_layers={self.mtp_num_layers} "
+                             "(megatron's MTP loss reads the output layer's logits); use output_loss=megatron")  # fmt: skip
         if self.mtp_loss_scaling_factor < 0:
             raise ValueError(f"{prefix}.mtp_loss_scaling_factor={self.mtp_loss_scaling_factor}; expected >= 0")
         if self.embedding_init_std is not None:

@@ -32,6 +32,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, appr
 # precision, initialisation); layout fields (TP size, sequence parallel, PP) are the component's own.
 RUNTIME_FIELDS = ("params_dtype", "pipeline_dtype", "bf16", "fp16", "use_cpu_initialization",
                   "perform_initialization", "deterministic_mode", "calculate_per_token_loss")  # fmt: skip
+COMPILED_FUSIONS = ("bias_dropout_fusion", "bias_activation_fusion")  # megatron's torch.compile'd ones
 
 
 def runtime_fields(
@@ -40,9 +41,13 @@ def runtime_fields(
     """The component's share of the runtime settings: the foundation's precision and init, its own
     TP size, no sequence or pipeline parallelism (the encoder lives on the first stage), and the
     backend's fusions without RoPE fusion (TE's THD RoPE kernel restarts positions per segment,
-    while 2-D / multimodal positions are given per token)."""
+    while 2-D / multimodal positions are given per token) and without the compiled elementwise
+    fusions the foundation runs without (``model.fuse_bias_dropout_add`` / ``fuse_bias_activation``
+    switch both)."""
     fields = {k: getattr(base, k) for k in RUNTIME_FIELDS}
     fields.update(fusion_fields(backend), apply_rope_fusion=False)
+    for key in COMPILED_FUSIONS:
+        fields[key] = fields[key] and getattr(base, key)
     fields.update(tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=1,
                   sequence_parallel=False)  # fmt: skip
     return fields
