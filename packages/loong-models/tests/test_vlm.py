@@ -1,7 +1,6 @@
 """VLM composition: configs (defaults list, backbone swap, overrides, parameter counts of the zoo
 shapes), multimodal RoPE positions against HF, and the tiny VLM's forward / backward / freeze."""
 
-import functools
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from loong_models import (
     mrope_positions,
     packed_seq_params,
 )
-from loong_models.testing import IMG, VE, VID, VS, packed_batch, vision_tokens
+from loong_models.testing import IMG, VID, hf_rope_index, packed_batch, vision_tokens
 
 # Released checkpoints' parameter counts (vision tower included).
 RELEASED_VLM = {"qwen2.5-vl-3b": 3_754_622_976, "qwen2.5-vl-7b": 8_292_166_656}
@@ -74,30 +73,6 @@ def test_bad_vlm_configs_name_the_key(overrides, message):
         load_model_config("tiny-vlm", overrides)
 
 
-@functools.cache
-def _hf_vlm():
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
-
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=8198, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
-                           tokens_per_second=2),
-        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE,
-    )  # fmt: skip
-    return Qwen2_5_VLModel(cfg)
-
-
-def _hf_rope_index(doc: list[int], images, videos, seconds):
-    model = _hf_vlm()
-    ids = torch.tensor([doc])
-    types = (ids == IMG).int() + 2 * (ids == VID).int()
-    pos, _ = model.get_rope_index(ids, types, image_grid_thw=images, video_grid_thw=videos,
-                                  second_per_grid_ts=seconds)  # fmt: skip
-    return pos
-
-
 def test_mrope_positions_match_hf_get_rope_index_per_packed_document():
     docs = [  # (tokens, image grids, video grids, seconds per temporal grid)
         ([5, 6] + vision_tokens(IMG, (1, 4, 6)) + [7, 8, 9] + vision_tokens(VID, (3, 4, 4)) + [10],
@@ -119,7 +94,7 @@ def test_mrope_positions_match_hf_get_rope_index_per_packed_document():
         if im is None:  # text only: HF's plain positions (get_rope_index expects vision)
             hf.append(torch.arange(len(doc)).expand(3, 1, -1))
         else:
-            hf.append(_hf_rope_index(doc, torch.tensor(im), torch.tensor(vid), torch.tensor(sec)))
+            hf.append(hf_rope_index(doc, torch.tensor(im), torch.tensor(vid), torch.tensor(sec)))
     torch.testing.assert_close(ours, torch.cat(hf, dim=-1), rtol=0, atol=0)
 
 

@@ -3,29 +3,13 @@ frames and windows) runs once per micro-batch on the host, in front of the GPU w
 the per-item computation (HF's positions per document, each image's own geometry) and cost a number
 of tensor ops that does not grow with the pack's text or its images."""
 
-import functools
 
 import pytest
 import torch
 
 from loong_models import VisionTokenIds, mrope_positions
 from loong_models.image_encoder.grid import frame_cu_seqlens, patch_coordinates, window_partition
-from loong_models.testing import IMG, VE, VID, VS, AtenOpCounter, vision_tokens
-
-
-@functools.cache
-def _hf_vlm():
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
-
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=8198, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
-                           tokens_per_second=2),
-        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE,
-    )  # fmt: skip
-    return Qwen2_5_VLModel(cfg)
+from loong_models.testing import IMG, VID, AtenOpCounter, hf_rope_index, vision_tokens
 
 
 def _document(g: torch.Generator, caption: int, images: int):
@@ -57,12 +41,7 @@ def test_mrope_positions_of_a_bench_like_pack_match_hf_per_document():
     ours = mrope_positions(**kwargs)
     hf = []
     for tokens, images, videos, seconds in parts:
-        ids = torch.tensor([tokens])
-        types = (ids == IMG).int() + 2 * (ids == VID).int()
-        pos, _ = _hf_vlm().get_rope_index(ids, types, image_grid_thw=torch.tensor(images),
-                                          video_grid_thw=torch.tensor(videos),
-                                          second_per_grid_ts=torch.tensor(seconds))  # fmt: skip
-        hf.append(pos)
+        hf.append(hf_rope_index(tokens, torch.tensor(images), torch.tensor(videos), torch.tensor(seconds)))
     torch.testing.assert_close(ours, torch.cat(hf, dim=-1), rtol=0, atol=0)
 
 

@@ -3,6 +3,8 @@ world, and a test-local HF -> Loong weight map for the two ViT types (loong-ckpt
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -149,6 +151,31 @@ IMG, VID, VS, VE = (
 def vision_tokens(kind: int, grid) -> list[int]:
     t, h, w = grid
     return [VS] + [kind] * (t * h * w // 4) + [VE]
+
+
+@functools.cache
+def _hf_qwen2_5_vl() -> torch.nn.Module:
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=8198, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
+                           tokens_per_second=2),
+        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE,
+    )  # fmt: skip
+    return Qwen2_5_VLModel(cfg)
+
+
+def hf_rope_index(doc: list[int], images, videos, seconds) -> torch.Tensor:
+    """HF transformers' Qwen2.5-VL ``get_rope_index`` of one document (the reference for
+    :func:`loong_models.mrope_positions`): ``[3, 1, len(doc)]``; grids / seconds as tensors or None."""
+    ids = torch.tensor([doc])
+    types = (ids == IMG).int() + 2 * (ids == VID).int()
+    pos, _ = _hf_qwen2_5_vl().get_rope_index(ids, types, image_grid_thw=images, video_grid_thw=videos,
+                                             second_per_grid_ts=seconds)  # fmt: skip
+    return pos
 
 
 def packed_batch(seed: int = 0, patch_dim: int = 1176):
