@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -37,40 +38,37 @@ class StepResult:
 
 
 @contextmanager
-def _time_until_grad_sync(chunks: list[torch.nn.Module], synchronize: Callable[[], None], out: dict):
-    """Note the time at which megatron calls ``finalize_model_grads`` (after the last backward,
-    before the data-parallel reduction waits for the slowest rank)."""
+def _before_finalize(chunks: list[torch.nn.Module], *actions: Callable[[], None]):
+    """Run ``actions``, in order, when megatron calls ``finalize_model_grads`` (after the last
+    backward, before the data-parallel reduction waits for the slowest rank)."""
+    if not actions:
+        yield
+        return
     config = get_model_config(chunks[0])
     original = config.finalize_model_grads_func
+
+    def finalize(*args, **kwargs):
+        for action in actions:
+            action()
+        return original(*args, **kwargs)
+
+    config.finalize_model_grads_func = finalize
+    try:
+        yield
+    finally:
+        config.finalize_model_grads_func = original
+
+
+def _time_compute(synchronize: Callable[[], None], out: dict) -> Callable[[], None]:
+    """An action for :func:`_before_finalize` noting ``out["compute_s"]``: the seconds from now
+    until gradient finalisation begins, this rank's own work measured after a device sync."""
     t0 = time.perf_counter()
 
-    def timed(*args, **kwargs):
+    def note() -> None:
         synchronize()
         out["compute_s"] = time.perf_counter() - t0
-        return original(*args, **kwargs)
 
-    config.finalize_model_grads_func = timed
-    try:
-        yield
-    finally:
-        config.finalize_model_grads_func = original
-
-
-@contextmanager
-def _flush_before_finalize(chunks: list[torch.nn.Module]):
-    """The last micro-batch's gradients reach ``main_grad`` before megatron reduces it."""
-    config = get_model_config(chunks[0])
-    original = config.finalize_model_grads_func
-
-    def flushed(*args, **kwargs):
-        flush_grads(chunks)
-        return original(*args, **kwargs)
-
-    config.finalize_model_grads_func = flushed
-    try:
-        yield
-    finally:
-        config.finalize_model_grads_func = original
+    return note
 
 
 def _global_loss(per_microbatch: list[dict], device: torch.device) -> tuple[float, int]:
@@ -123,10 +121,12 @@ def train_step(
     timing: dict[str, float] = {}
     if batched(chunks):  # parallel.grad_accumulation=batched: gradients added per micro-batch, not per parameter
         forward_step = flushing_forward_step(forward_step, chunks)
-    with (
-        _time_until_grad_sync(chunks, synchronize, timing) if synchronize else _no_timing(),
-        _flush_before_finalize(chunks) if batched(chunks) else _no_timing(),
-    ):
+    before_finalize = []  # the last micro-batch's gradients reach main_grad before megatron reduces it
+    if batched(chunks):
+        before_finalize.append(partial(flush_grads, chunks))
+    if synchronize:
+        before_finalize.append(_time_compute(synchronize, timing))
+    with _before_finalize(chunks, *before_finalize):
         outputs = schedule_for(chunks, forward_backward_func)(
             forward_step_func=forward_step,
             data_iterator=data_iterator,
@@ -142,7 +142,7 @@ def train_step(
     ok, grad_norm = False, None
     if not nonfinite:
         norms: list[float] = []
-        with _skip_update_on_nonfinite_norm(optimizer, norms) if guarded else _no_timing():
+        with _skip_update_on_nonfinite_norm(optimizer, norms) if guarded else nullcontext():
             ok, grad_norm, _ = optimizer.step()
         # megatron's norm is a device tensor: reading it after the step would wait for the whole
         # update; the guard read it (a float) before the update was queued
@@ -201,11 +201,6 @@ def _grads_finite(chunks: list[torch.nn.Module], device: torch.device) -> bool:
         bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).any().float().reshape(1)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bad.item()
-
-
-@contextmanager
-def _no_timing():
-    yield
 
 
 @torch.no_grad()
