@@ -20,6 +20,7 @@ from typing import Any
 import tilelang.language as T
 import torch
 
+from loong_kernels.reference.linear_cross_entropy import mean_scale
 from loong_kernels.tl._common import LN2, LOG2E, compile_kernel, dtype_name
 
 _THREADS = 256
@@ -155,8 +156,7 @@ def chunked_with(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The mean loss over non-ignored tokens from :func:`chunked_tokens_with` (the CPU tests pass
     a torch emulation of ``kernel``). ``overlap``: see :data:`OVERLAP` (CUDA only)."""
-    valid = target != ignore_index
-    scale = valid.to(torch.float32) / max(int(valid.sum()), 1)
+    scale = mean_scale(target, ignore_index, torch.float32)
     args = (hidden, weight, target, scale, chunk_size, need_grad_hidden, need_grad_weight)
     per_token, grad_hidden, grad_weight = chunked_tokens_with(kernel, *args, overlap=overlap)
     return (per_token * scale).sum(), grad_hidden, grad_weight
