@@ -63,6 +63,9 @@ MODELS = {
     "mla-mtp": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "foundation.mtp_num_layers=1",
                                      "layer_backend=local"]),
     "mla-dense": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "layer_backend=local"]),
+    # index_topk 8 of SEQ 32: the selection drops keys (with every key kept it would be dense MLA)
+    "dsa": ("deepseek-v32-tiny", [f"foundation.num_layers={LAYERS}", "foundation.sparse_attention.index_topk=8",
+                                  "layer_backend=local"]),
 }  # fmt: skip
 
 
@@ -75,13 +78,15 @@ def without_moe(tconfig: TransformerConfig, cfg: ModelConfig) -> TransformerConf
 
 
 def model_key(layout: str) -> str:
-    words = [w for w in layout.split("-") if w in ("mla", "mtp", "dense")]
+    words = [w for w in layout.split("-") if w in ("mla", "mtp", "dense", "dsa")]
     return "-".join(words) or "gqa"
 
 
 def parse(layout: str) -> tuple[ParallelConfig, bool, bool]:
     """(layout, packed data, ChunkPipe)."""
-    kw: dict = {"cp_comm_type": "a2a" if "a2a" in layout else "p2p", "sequence_parallel": "sp" in layout.split("-")}
+    words = layout.split("-")
+    comm = "allgather" if "dsa" in words else "a2a" if "a2a" in words else "p2p"  # DSA: all-gather CP only
+    kw: dict = {"cp_comm_type": comm, "sequence_parallel": "sp" in words}
     for part in layout.split("-"):
         for key in ("cp", "tp", "pp"):
             if part.startswith(key) and part[len(key):].isdigit():

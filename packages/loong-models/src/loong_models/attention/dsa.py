@@ -37,9 +37,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from loong_kernels import (
     indexer_kl_loss,
     lightning_indexer_topk,
+    lightning_indexer_topk_at,
     sparse_attention_head_mean_probs,
     sparse_mla_attention,
 )
+from loong_models.attention.cp_layout import zigzag_positions
+
+# How DSAttention runs under context parallelism (``parallel.cp_comm_type``): megatron-core's DSA
+# offers all-gather only, so does Loong's.
+CP_COMM_TYPES = ("allgather",)
 
 
 @dataclass
@@ -75,13 +81,16 @@ class DSAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("DSAttention does not support context parallelism")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"DSAttention is causal; got attn_mask_type={attn_mask_type}")
+        cp = config.context_parallel_size > 1
+        if cp and (cp_comm_type or "p2p") not in CP_COMM_TYPES:
+            raise ValueError(f"DeepSeek sparse attention under context parallelism needs parallel.cp_comm_type="
+                             f"{'|'.join(CP_COMM_TYPES)}, got {cp_comm_type!r}")  # fmt: skip
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"] if cp else ["tp"])
         self.tp_group = pg_collection.tp
+        self.cp_group = pg_collection.cp if cp else None
         self.layer_number = layer_number
         self.topk = config.dsa_indexer_topk
         self.loss_coeff = config.dsa_indexer_loss_coeff or 0.0
@@ -121,17 +130,30 @@ class DSAttention(MegatronModule):
             x = gather_from_sequence_parallel_region(x, group=self.tp_group)
             qr = gather_from_sequence_parallel_region(qr, group=self.tp_group)
         with_loss = self.training and torch.is_grad_enabled() and self.loss_coeff > 0
+        # Under CP this rank holds s tokens (its zigzag chunks) of each sequence: their positions,
+        # and the permutation that puts all ranks' gathered tokens in sequence order.
+        rows, order = self._cp_layout(s, query.device) if self.cp_group is not None else (None, None)
         # DeepSeek-V3.2 trains the indexer only through its loss, and its loss must not reach the
         # main model: the indexer reads detached inputs, and without the loss it needs no graph.
         with torch.set_grad_enabled(with_loss):
-            q_i, k_i, w = self.indexer(x.detach(), qr.detach())
+            q_i, k_i, w = self.indexer(x.detach(), qr.detach(), rows)
+        kv_all = key[:, :, 0]
+        if order is not None:
+            # all-gather CP (megatron's DSA cp_comm_type=allgather): every rank selects and attends
+            # over the whole sequence's latent keys and indexer keys; the gathers' backward
+            # reduce-scatters their gradients back to the ranks that own those tokens
+            kv_all = gather_from_sequence_parallel_region(kv_all, group=self.cp_group)[order]
+            k_i = gather_from_sequence_parallel_region(k_i, group=self.cp_group)[order]
 
         outs, kl = [], []
         # One call per sequence: each sequence is one document of the packed-THD kernels, and
         # the dense [s, s] indexer scores stay per sequence rather than [b*s, b*s].
         for i in range(b):
-            q, kv = query[:, i], key[:, i, 0]
-            indices = lightning_indexer_topk(q_i[:, i], k_i[:, i], w[:, i], self.topk)
+            q, kv = query[:, i], kv_all[:, i]
+            if rows is None:
+                indices = lightning_indexer_topk(q_i[:, i], k_i[:, i], w[:, i], self.topk)
+            else:
+                indices = lightning_indexer_topk_at(q_i[:, i], k_i[:, i], w[:, i], self.topk, rows, torch.zeros_like(rows))
             out, lse = sparse_mla_attention(q, kv, indices, self.d_v, self.softmax_scale)
             outs.append(out)
             if with_loss:
@@ -143,8 +165,17 @@ class DSAttention(MegatronModule):
                 kl.append(indexer_kl_loss(q_i[:, i], k_i[:, i], w[:, i], indices, target))
         output = torch.stack(outs, dim=1)  # [s, b, heads, d_v]
         if with_loss:
-            mean_kl = torch.stack(kl).mean()  # every sequence has s query rows
+            # every sequence has s query rows; under CP the ranks' sums (per-token loss) add up to
+            # the whole batch's, and their means (DDP averages over DP x CP) to its mean
+            mean_kl = torch.stack(kl).mean()
             loss = self.loss_coeff * (mean_kl * (s * b) if self.config.calculate_per_token_loss else mean_kl)
             self.indexer_loss = loss.detach()
             output = DSAIndexerLossAutoScaler.apply(output, loss)
         return output.reshape(s, b, heads * self.d_v)
+
+    def _cp_layout(self, local_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position in its sequence of each token this CP rank holds, the permutation of the
+        rank-major all-gathered tokens into sequence order)."""
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        layouts = [zigzag_positions(local_len * cp, cp, r) for r in range(cp)]
+        return layouts[rank].to(device), torch.argsort(torch.cat(layouts)).to(device)
