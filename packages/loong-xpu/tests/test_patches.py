@@ -61,7 +61,9 @@ def test_cuda_backend_patches_only_the_pieces_megatron_takes_from_apex():
     try:
         assert patches.applied == ["megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda",
                                    "megatron.core.models.gpt.gpt_model:process_mtp_loss",
-                                   "megatron.core.transformer.multi_latent_attention:MLASelfAttention._qkv_down_projection"]  # fmt: skip
+                                   "megatron.core.transformer.multi_latent_attention:MLASelfAttention._qkv_down_projection",
+                                   "megatron.core.transformer.experimental_attention_variant.absorbed_mla:"
+                                   "AbsorbedMLASelfAttention.__init__"]  # fmt: skip
     finally:
         patches.remove()
 
