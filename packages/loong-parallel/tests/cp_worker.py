@@ -64,7 +64,9 @@ MODELS = {
                                      "layer_backend=local"]),
     "mla-dense": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "layer_backend=local"]),
     # index_topk 8 of SEQ 32: the selection drops keys (with every key kept it would be dense MLA)
-    "dsa": ("deepseek-v32-tiny", [f"foundation.num_layers={LAYERS}", "foundation.sparse_attention.index_topk=8",
+    "dsa": ("deepseek-v32-tiny", ["foundation.num_layers=2", "foundation.hidden_size=64", "foundation.ffn_hidden_size=128",
+                                  "foundation.num_attention_heads=4", "foundation.vocab_size=1024",
+                                  "foundation.sparse_attention.index_n_heads=4", "foundation.sparse_attention.index_topk=8",
                                   "layer_backend=local"]),
 }  # fmt: skip
 
