@@ -6,7 +6,8 @@ runs every sample of the batch in chunks instead of megatron's schedule; ``sp``:
 parallelism, which megatron requires for MoE with TP). The model is a tiny GQA Llama;
 ``mla-...`` runs deepseek-v3-tiny instead (multi-latent attention: query/key and value head sizes
 differ, a decoupled RoPE part shared by the heads; MoE layers after the first), ``mla-mtp-...``
-with one multi-token-prediction layer, ``mla-dense-...`` with dense layers only (TP without SP).
+with one multi-token-prediction layer, ``mla-dense-...`` with dense layers only (TP without SP);
+``dsa-...`` a small deepseek-v32-tiny (DeepSeek sparse attention, all-gather CP).
 The first pass runs with tp = pp = cp = 1 (every rank computes the whole global batch: the
 one-process numbers); then each layout runs the same model, weights and global batch through
 megatron's schedule, DDP and ``finalize_model_grads`` (which reduces gradients and token counts

@@ -107,7 +107,7 @@ def _torchrun(nproc: int, layouts: list[str], out: Path, worker: Path = WORKER) 
         (2, ["cp2", "cp2-a2a-thd", "chunkpipe-pp2", "chunkpipe-pp2-thd", "mla-cp2", "mla-mtp-cp2-thd", "mla-tp2-sp",
              "mla-dense-tp2", "dsa-cp2", "dsa-tp2-sp"]),
         (4, ["cp4", "cp2-tp2", "cp2-pp2", "cp2-a2a", "cp4-thd", "cp2-tp2-thd", "cp2-pp2-thd", "chunkpipe-pp4-thd",
-             "mla-cp4-a2a", "mla-mtp-cp4-thd", "mla-mtp-cp2-pp2", "mla-mtp-cp2-tp2-sp", "dsa-cp4", "dsa-cp2-tp2-sp"]),
+             "mla-cp4-a2a", "mla-mtp-cp4-thd", "mla-mtp-cp2-pp2", "mla-mtp-cp2-tp2-sp", "dsa-cp4-thd", "dsa-cp2-tp2-sp"]),
     ],
     ids=["2-processes", "4-processes"],
 )
@@ -119,7 +119,7 @@ def test_cp_and_chunkpipe_layouts_of_gqa_mla_and_dsa_models_match_one_process_in
     Loong's corrections of megatron's gradient reductions (loong_xpu.mla_rope_key, loong_models.norm's
     tp_replicated): without them TP differs from one process by ~1e-4. ``dsa-...``: deepseek-v32-tiny
     (absorbed MLA + DeepSeek sparse attention, 8 of 32 keys per query, the indexer trained by its
-    loss) under all-gather CP and TP + SP (megatron's AbsorbedMLA requires SP under TP; its shared
+    loss) under all-gather CP, plain and THD, and TP + SP (megatron's AbsorbedMLA requires SP under TP; its shared
     RoPE key needs loong_xpu.mla_rope_key too: without it 4.6e-4)."""
     report = _torchrun(nproc, layouts, tmp_path / "report.json")
     assert sorted(report) == sorted(layouts)

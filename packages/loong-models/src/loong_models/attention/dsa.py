@@ -41,7 +41,9 @@ from loong_kernels import (
     sparse_attention_head_mean_probs,
     sparse_mla_attention,
 )
-from loong_models.attention.cp_layout import zigzag_positions
+from loong_models.attention.cp_layout import token_layout
+from loong_models.attention.packed import segment_bounds
+from loong_models.packed_seq import host_bounds
 
 # How DSAttention runs under context parallelism (``parallel.cp_comm_type``): megatron-core's DSA
 # offers all-gather only, so does Loong's.
@@ -117,10 +119,11 @@ class DSAttention(MegatronModule):
         # up_v_weight, position_ids, attn_mask_type: AbsorbedMLASelfAttention passes them; the value
         # up-projection is left to it (it applies W_UV to the latent output), positions are implicit
         # (RoPE is already applied) and the mask type is causal by construction.
+        cu = self._packed_bounds(packed_seq_params)
+        if cu is not None:  # THD: megatron hands [t, n, d] queries, [t, 1, d] keys, [t, q_lora] qr
+            query, key, qr = query.unsqueeze(1), key.unsqueeze(1), qr.unsqueeze(1)
         if value is not None or key.dim() != 4 or key.size(2) != 1:
             raise ValueError("DSAttention expects absorbed MLA's MQA layout: value=None, key [s, b, 1, d]")
-        if packed_seq_params is not None:
-            raise ValueError("packed (THD) sequences are not supported by DSAttention yet")
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("DSAttention is causal and takes no attention_mask / attention_bias")
         s, b, heads, _ = query.shape
@@ -130,30 +133,29 @@ class DSAttention(MegatronModule):
             x = gather_from_sequence_parallel_region(x, group=self.tp_group)
             qr = gather_from_sequence_parallel_region(qr, group=self.tp_group)
         with_loss = self.training and torch.is_grad_enabled() and self.loss_coeff > 0
-        # Under CP this rank holds s tokens (its zigzag chunks) of each sequence: their positions,
-        # and the permutation that puts all ranks' gathered tokens in sequence order.
-        rows, order = self._cp_layout(s, query.device) if self.cp_group is not None else (None, None)
+        layout = self._layout(s, cu, query.device)
         # DeepSeek-V3.2 trains the indexer only through its loss, and its loss must not reach the
         # main model: the indexer reads detached inputs, and without the loss it needs no graph.
         with torch.set_grad_enabled(with_loss):
-            q_i, k_i, w = self.indexer(x.detach(), qr.detach(), rows)
+            q_i, k_i, w = self.indexer(x.detach(), qr.detach(), layout.positions)
         kv_all = key[:, :, 0]
-        if order is not None:
+        if layout.order is not None:
             # all-gather CP (megatron's DSA cp_comm_type=allgather): every rank selects and attends
             # over the whole sequence's latent keys and indexer keys; the gathers' backward
             # reduce-scatters their gradients back to the ranks that own those tokens
-            kv_all = gather_from_sequence_parallel_region(kv_all, group=self.cp_group)[order]
-            k_i = gather_from_sequence_parallel_region(k_i, group=self.cp_group)[order]
+            kv_all = gather_from_sequence_parallel_region(kv_all, group=self.cp_group)[layout.order]
+            k_i = gather_from_sequence_parallel_region(k_i, group=self.cp_group)[layout.order]
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32) if cu is not None else None
 
         outs, kl = [], []
         # One call per sequence: each sequence is one document of the packed-THD kernels, and
         # the dense [s, s] indexer scores stay per sequence rather than [b*s, b*s].
         for i in range(b):
             q, kv = query[:, i], kv_all[:, i]
-            if rows is None:
-                indices = lightning_indexer_topk(q_i[:, i], k_i[:, i], w[:, i], self.topk)
+            if layout.order is None:
+                indices = lightning_indexer_topk(q_i[:, i], k_i[:, i], w[:, i], self.topk, cu_seqlens)
             else:
-                indices = lightning_indexer_topk_at(q_i[:, i], k_i[:, i], w[:, i], self.topk, rows, torch.zeros_like(rows))
+                indices = lightning_indexer_topk_at(q_i[:, i], k_i[:, i], w[:, i], self.topk, layout.rows, layout.starts)
             out, lse = sparse_mla_attention(q, kv, indices, self.d_v, self.softmax_scale)
             outs.append(out)
             if with_loss:
@@ -171,11 +173,46 @@ class DSAttention(MegatronModule):
             loss = self.loss_coeff * (mean_kl * (s * b) if self.config.calculate_per_token_loss else mean_kl)
             self.indexer_loss = loss.detach()
             output = DSAIndexerLossAutoScaler.apply(output, loss)
-        return output.reshape(s, b, heads * self.d_v)
+        output = output.reshape(s, b, heads * self.d_v)
+        return output.squeeze(1) if cu is not None else output
 
-    def _cp_layout(self, local_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(position in its sequence of each token this CP rank holds, the permutation of the
-        rank-major all-gathered tokens into sequence order)."""
+    @staticmethod
+    def _packed_bounds(packed_seq_params) -> list[int] | None:
+        if packed_seq_params is None:
+            return None
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
+        cu, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+        if padded is not None and not torch.equal(padded.cpu(), cu.cpu()):
+            raise ValueError("cu_seqlens_q_padded != cu_seqlens_q: pad packs with a padding segment instead "
+                             "(loong_data.collate_packed does)")  # fmt: skip
+        return host_bounds(packed_seq_params) or segment_bounds(cu)
+
+    def _layout(self, local_len: int, cu: list[int] | None, device: torch.device) -> _TokenLayout:
+        if self.cp_group is None:
+            if cu is None:
+                return _TokenLayout()
+            segment = torch.bucketize(torch.arange(local_len), torch.tensor(cu[1:]), right=True)
+            return _TokenLayout(positions=(torch.arange(local_len) - torch.tensor(cu)[segment]).to(device))
+        # CP: this rank's zigzag chunks of every sequence (THD: of every document); a token's row is
+        # its index in the whole (packed) sequence, the order of the all-gathered tokens
         cp, rank = self.cp_group.size(), self.cp_group.rank()
-        layouts = [zigzag_positions(local_len * cp, cp, r) for r in range(cp)]
-        return layouts[rank].to(device), torch.argsort(torch.cat(layouts)).to(device)
+        starts = torch.tensor(cu[:-1]) if cu is not None else torch.zeros(1, dtype=torch.long)
+        held = [token_layout(local_len, cp, r, cu) for r in range(cp)]
+        rows = [pos + starts[seg] for pos, seg in held]
+        pos, seg = held[rank]
+        return _TokenLayout(pos.to(device), rows[rank].to(device), starts[seg].to(device),
+                            torch.argsort(torch.cat(rows)).to(device))  # fmt: skip
+
+
+@dataclass
+class _TokenLayout:
+    """Where DSAttention's queries sit. ``positions``: each token's position in its sequence /
+    document (the indexer's RoPE; None: ``0 .. s - 1``). Under CP: ``rows``, each held token's index
+    in the whole (packed) sequence; ``starts``, the index of its document's first token; ``order``,
+    the permutation that puts the all-gathered (rank-major) tokens in sequence order."""
+
+    positions: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+    order: torch.Tensor | None = None
