@@ -18,6 +18,14 @@ gathered once per query from one 576-wide latent row, not from ``n`` per-head ke
 This module runs the lightning indexer, top-k selection, sparse attention over the selected
 keys and the indexer's KL loss through loong-kernels, whose dispatch picks the fused TileLang
 kernels on CUDA (bf16/fp16) and the torch references elsewhere.
+
+Packed (THD) input: every document is its own sequence (the indexer's RoPE restarts at its first
+token, selection stays inside it). Context parallelism (``cp_comm_type="allgather"``, as
+megatron-core's DSA): the rank holds its zigzag chunks of each sequence (:mod:`cp_layout`),
+all-gathers the latent keys and the indexer's keys over the CP group, and selects and attends for
+its own queries at their positions in the whole sequence; the gathers' backward reduce-scatters the
+keys' gradients to their owners. That selection is rectangular, which the fused kernels do not
+take: loong-kernels runs its references for it.
 """
 
 from __future__ import annotations
