@@ -64,7 +64,8 @@ MODELS = {
     "mla-mtp": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "foundation.mtp_num_layers=1",
                                      "layer_backend=local"]),
     "mla-dense": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "layer_backend=local"]),
-    # index_topk 8 of SEQ 32: the selection drops keys (with every key kept it would be dense MLA)
+    # index_topk 8 of SEQ 32: the selection drops keys (with every key kept it would be dense MLA);
+    # small and 2 layers to keep CI short (pp layouts would need LAYERS layers)
     "dsa": ("deepseek-v32-tiny", ["foundation.num_layers=2", "foundation.hidden_size=64", "foundation.ffn_hidden_size=128",
                                   "foundation.num_attention_heads=4", "foundation.vocab_size=1024",
                                   "foundation.sparse_attention.index_n_heads=4", "foundation.sparse_attention.index_topk=8",

@@ -201,7 +201,7 @@ class DSAttention(MegatronModule):
             if cu is None:
                 return _TokenLayout()
             segment = torch.bucketize(torch.arange(local_len), torch.tensor(cu[1:]), right=True)
-            return _TokenLayout(positions=(torch.arange(local_len) - torch.tensor(cu)[segment]).to(device))
+            return _TokenLayout(positions=torch.arange(local_len) - torch.tensor(cu)[segment])
         # CP: this rank's zigzag chunks of every sequence (THD: of every document); a token's row is
         # its index in the whole (packed) sequence, the order of the all-gathered tokens
         cp, rank = self.cp_group.size(), self.cp_group.rank()
@@ -209,13 +209,13 @@ class DSAttention(MegatronModule):
         held = [token_layout(local_len, cp, r, cu) for r in range(cp)]
         rows = [pos + starts[seg] for pos, seg in held]
         pos, seg = held[rank]
-        return _TokenLayout(pos.to(device), rows[rank].to(device), starts[seg].to(device),
+        return _TokenLayout(pos, rows[rank].to(device), starts[seg].to(device),
                             torch.argsort(torch.cat(rows)).to(device))  # fmt: skip
 
 
 @dataclass
 class _TokenLayout:
-    """Where DSAttention's queries sit. ``positions``: each token's position in its sequence /
+    """Where DSAttention's queries sit. ``positions`` (host): each token's position in its sequence /
     document (the indexer's RoPE; None: ``0 .. s - 1``). Under CP: ``rows``, each held token's index
     in the whole (packed) sequence; ``starts``, the index of its document's first token; ``order``,
     the permutation that puts the all-gathered (rank-major) tokens in sequence order."""
