@@ -203,3 +203,12 @@ def test_the_patches_of_megatron_methods_are_in_place_while_applied_and_gone_aft
     assert not any(is_applied(t) for t in targets)
     assert (ChainedOptimizer.get_grad_norm, ChainedOptimizer.step_with_ready_grads) == (norm, update)
     assert not hasattr(DistributedDataParallel, "loong_drop_grad_accumulation_hooks")
+
+
+def test_the_non_finite_step_skip_outside_the_patch_set_names_the_patch_it_needs():
+    from loong_xpu.nonfinite_step import step_unless_nonfinite
+
+    with pytest.raises(RuntimeError, match=r"^the non-finite step skip needs loong_xpu's patch megatron.core.optimizer."
+                                           r"optimizer:ChainedOptimizer.get_grad_norm: run the step inside "
+                                           r"loong_xpu.redirect_cuda$"):  # fmt: skip
+        step_unless_nonfinite(object())  # refused before the optimizer is touched

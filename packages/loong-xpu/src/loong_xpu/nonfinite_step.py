@@ -24,6 +24,7 @@ OWNER = "megatron.core.optimizer.optimizer:ChainedOptimizer"
 GET_NORM = f"{OWNER}.get_grad_norm"
 UPDATE = f"{OWNER}.step_with_ready_grads"
 _ARMED = "_loong_nonfinite_step"  # the optimizer attribute holding one armed step's record
+_OURS = "_loong_nonfinite_wrapper"  # marks the two wrappers: whether the manifest put them in place
 
 
 @dataclass
@@ -45,6 +46,7 @@ def make_get_grad_norm(accel: object = None):
             armed.norms.append(float(norm))
         return norm
 
+    setattr(get_grad_norm, _OURS, True)
     return get_grad_norm
 
 
@@ -64,6 +66,7 @@ def make_step_with_ready_grads(accel: object = None):
                                f"{len(armed.norms)} gradient norms before its update, expected one (megatron-core changed)")  # fmt: skip
         return original(self) if math.isfinite(armed.norms[0]) else False
 
+    setattr(step_with_ready_grads, _OURS, True)
     return step_with_ready_grads
 
 
@@ -72,9 +75,9 @@ def step_unless_nonfinite(optimizer) -> tuple[bool, float | None]:
     gradient norm it computes is finite. Returns (updated, the norm as a float: read before the
     update was queued, so reading it costs no wait for the update; None where megatron's loss
     scaler found an overflow and returned before computing it)."""
-    from loong_xpu.patches import is_applied
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    missing = [t for t in (GET_NORM, UPDATE) if not is_applied(t)]
+    missing = [t for t in (GET_NORM, UPDATE) if not getattr(getattr(ChainedOptimizer, t.rsplit(".", 1)[1]), _OURS, False)]
     if missing:
         raise RuntimeError(f"the non-finite step skip needs loong_xpu's patch {missing[0]}: "
                            "run the step inside loong_xpu.redirect_cuda")  # fmt: skip
