@@ -162,6 +162,26 @@ def test_cuda_graphs_name_what_they_cannot_capture(overrides, what):
         validate(cfg, world_size=1)
 
 
+@pytest.mark.parametrize("preset, what", [
+    ("vlm", r"a model with an image encoder \(a VLM's micro-batch is a pack whose segment layout, packed_seq_params, "
+            r"is set on the host per micro-batch: megatron replays a layer only with the captured one"),
+    ("wan", r"a diffusion model \(the DiT's own TransformerConfig does not take cuda_graph_impl"),
+    ("pi05", r"an embodied model \(plain torch layers: nothing is captured; their CUDA graphs are "
+             r"model.embodied.compile_mode=reduce-overhead\)"),
+])  # fmt: skip
+def test_cuda_graphs_are_refused_for_models_whose_layers_megatron_does_not_capture_as_one_layout(preset, what):
+    """Megatron's per-layer graphs are a language model's: a VLM (its per-micro-batch host-side pack
+    layout), a DiT and a plain-torch policy are refused at validation, naming the key and why;
+    pi05's own CUDA graphs (torch.compile's reduce-overhead) are another key and still validate."""
+    with initialize_config_module("loong_train.configs", version_base=None):
+        cfg = lambda *o: to_config(compose(preset, overrides=list(o)))  # noqa: E731
+        validate(cfg(), world_size=1)
+        with pytest.raises(ConfigError, match=rf"^parallel.cuda_graphs=local cannot combine with {what}"):
+            validate(cfg("parallel.cuda_graphs=local"), world_size=1)
+        if preset == "pi05":
+            validate(cfg("model.embodied.compile_mode=reduce-overhead"), world_size=1)
+
+
 def test_init_from_without_a_chosen_phase_or_rate_gets_the_fine_tuning_recipe():
     from loong_train.recipe import apply_finetune_recipe
 

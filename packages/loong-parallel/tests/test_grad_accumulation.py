@@ -80,6 +80,27 @@ def test_without_the_hooks_a_backward_leaves_the_gradients_in_param_grad_until_f
     assert all(p.grad is None and torch.equal(p.main_grad, g) for p, g in zip(params, grads))
 
 
+@pytest.mark.parametrize("change", ["one hooked elsewhere", "no grad_accs"])
+def test_a_megatron_ddp_that_keeps_its_hooks_otherwise_fails_naming_the_patch(megatron_cpu, change):
+    """Dropping the hooks rests on megatron's DDP keeping one hooked AccumulateGrad node per
+    parameter in grad_accs (loong_xpu's patch): a DDP that does not stops with one line naming the
+    patch and keeps its hooks."""
+    from loong_parallel.grad_accumulation import batch_grad_accumulation, batched
+
+    chunks, _, _ = _build("hooks")
+    if change == "no grad_accs":
+        del chunks[0].grad_accs
+        found = "no grad_accs list"
+    else:
+        chunks[0].grad_accs.pop()
+        found = rf"{len(chunks[0].grad_accs)} entries for {len(chunks[0].grad_accs) + 1} parameters"
+    with pytest.raises(RuntimeError, match=r"^loong_xpu patch megatron.core.distributed.distributed_data_parallel:"
+                                           r"DistributedDataParallel.loong_drop_grad_accumulation_hooks: megatron-core's "
+                                           rf".* in grad_accs \({found}\); parallel.grad_accumulation=batched"):  # fmt: skip
+        batch_grad_accumulation(chunks[0])
+    assert not batched(chunks) and len(getattr(chunks[0], "grad_accs", [None])) > 0
+
+
 def test_batched_accumulation_refuses_overlapped_reduction_and_pipeline_stages():
     with pytest.raises(ValueError, match="parallel.grad_accumulation=batched .*overlap_grad_reduce=false"):
         ParallelConfig(grad_accumulation="batched", overlap_grad_reduce=True).validate(1, 2, 2, 2)

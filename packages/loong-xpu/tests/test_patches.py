@@ -6,13 +6,15 @@ from loong_xpu.patches import _resolve
 
 # names megatron binds only where TE / apex import (layers.get_dummy_wgrad, fused_weight_gradient_mlp_cuda)
 BOUND_BY_TE_OR_APEX = {"get_dummy_wgrad", "fused_weight_gradient_mlp_cuda"}
+ADDED_BY_LOONG = {"loong_drop_grad_accumulation_hooks"}  # a method the manifest adds to megatron's DDP
 
 
 def test_every_patch_names_a_real_target_and_a_reason():
     assert len({p.target for p in MANIFEST}) == len(MANIFEST)
     for patch in MANIFEST:
         owner, attr = _resolve(patch.target)
-        assert hasattr(owner, attr) or attr in BOUND_BY_TE_OR_APEX, patch.target
+        assert hasattr(owner, attr) or attr in BOUND_BY_TE_OR_APEX | ADDED_BY_LOONG, patch.target
+        assert not (patch.wraps and attr in BOUND_BY_TE_OR_APEX | ADDED_BY_LOONG), patch.target
         assert len(patch.reason) > 10
 
 
@@ -56,12 +58,16 @@ def test_patching_twice_is_refused_and_leaves_nothing_half_done():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
-def test_cuda_backend_patches_only_the_pieces_megatron_takes_from_apex():
+def test_cuda_backend_patches_only_the_apex_stand_in_and_megatron_corrections():
     patches = apply_patches(get_accelerator("cuda"))
     try:
         assert patches.applied == ["megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda",
                                    "megatron.core.models.gpt.gpt_model:process_mtp_loss",
                                    "megatron.core.transformer.multi_latent_attention:MLASelfAttention._qkv_down_projection",
+                                   "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel."
+                                   "loong_drop_grad_accumulation_hooks",
+                                   "megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
+                                   "megatron.core.optimizer.optimizer:ChainedOptimizer.step_with_ready_grads",
                                    "megatron.core.transformer.experimental_attention_variant.absorbed_mla:"
                                    "AbsorbedMLASelfAttention.__init__"]  # fmt: skip
     finally:
@@ -165,3 +171,46 @@ def test_megatron_context_parallel_rope_slice_runs_on_the_host():
         local = get_pos_emb_on_this_cp_rank(emb, 0, TwoRanks())
     # rank 1 of 2 holds chunks 1 and 2 of 4 (load-balanced zigzag)
     assert local.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("owner, attr", [
+    ("megatron.core.optimizer.optimizer:ChainedOptimizer", "step_with_ready_grads"),
+    ("megatron.core.transformer.multi_latent_attention:MLASelfAttention", "_qkv_down_projection"),
+])  # fmt: skip
+def test_a_megatron_without_what_a_patch_wraps_fails_naming_the_patch(monkeypatch, owner, attr):
+    """A megatron-core that renamed a method a patch wraps: applying the manifest stops with one
+    line naming the patch, and nothing stays patched."""
+    cls, _ = _resolve(f"{owner}.{attr}")
+    monkeypatch.delattr(cls, attr)
+    before = torch.cuda.current_device
+    with pytest.raises(RuntimeError, match=rf"^loong_xpu patch {owner}.{attr}: {attr} is gone from "
+                                           r"\w+ \(the installed version changed what this patch wraps\)$"):  # fmt: skip
+        apply_patches(get_accelerator("cpu"))
+    assert torch.cuda.current_device is before and torch.zeros(1, device="meta").device.type == "meta"
+    assert not any(k.startswith("_loong_original_") for k in vars(cls))
+
+
+def test_the_patches_of_megatron_methods_are_in_place_while_applied_and_gone_after():
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    from loong_xpu.patches import is_applied
+
+    targets = [p.target for p in MANIFEST if ":ChainedOptimizer." in p.target or ":DistributedDataParallel." in p.target]
+    norm, update = ChainedOptimizer.get_grad_norm, ChainedOptimizer.step_with_ready_grads
+    with redirect_cuda(get_accelerator("cpu")):
+        assert len(targets) == 3 and all(is_applied(t) for t in targets)
+        assert ChainedOptimizer.get_grad_norm.__wrapped__ is norm  # megatron's, wrapped
+        assert callable(DistributedDataParallel.loong_drop_grad_accumulation_hooks)
+    assert not any(is_applied(t) for t in targets)
+    assert (ChainedOptimizer.get_grad_norm, ChainedOptimizer.step_with_ready_grads) == (norm, update)
+    assert not hasattr(DistributedDataParallel, "loong_drop_grad_accumulation_hooks")
+
+
+def test_the_non_finite_step_skip_outside_the_patch_set_names_the_patch_it_needs():
+    from loong_xpu.nonfinite_step import step_unless_nonfinite
+
+    with pytest.raises(RuntimeError, match=r"^the non-finite step skip needs loong_xpu's patch megatron.core.optimizer."
+                                           r"optimizer:ChainedOptimizer.get_grad_norm: run the step inside "
+                                           r"loong_xpu.redirect_cuda$"):  # fmt: skip
+        step_unless_nonfinite(object())  # refused before the optimizer is touched

@@ -59,16 +59,28 @@ def runtime_transformer_fields(
 def cuda_graph_conflicts(pcfg: ParallelConfig, model: Any, packing: str = "fixed") -> list[str]:
     """Why this job cannot run with ``pcfg.cuda_graphs`` (empty: it can), for a ``model``
     (loong_models.ModelConfig) on data packed by ``packing`` (data.packing): megatron's whole-layer
-    graphs replay one captured shape, only language models' layers are graphed, and megatron's
-    graph toggle switches recomputation off."""
+    graphs replay one captured shape, and a replay needs every non-tensor argument of the layer as
+    captured (``_CudaGraphRunner.get_mismatch_errors``); only a language model's layers take
+    ``cuda_graph_impl`` (the image encoder's and Wan's TransformerConfigs are their own, pi05 is
+    plain torch); megatron's graph toggle switches recomputation off."""
     if pcfg.cuda_graphs == "none":
         return []
     cannot = {
+        # the model kind first: what a preset cannot change
+        # multimodal data is packed (thd): the layers get each pack's cu_seqlens and host-side segment
+        # bounds (HostPackedSeqParams), which megatron compares with the captured ones at replay. (The
+        # multimodal RoPE positions, also computed on the host, reach the layers as a tensor: copied.)
+        "a model with an image encoder (a VLM's micro-batch is a pack whose segment layout, packed_seq_params, "
+        "is set on the host per micro-batch: megatron replays a layer only with the captured one; the image "
+        "encoder is not captured)":
+            model.is_multimodal,
+        "a diffusion model (the DiT's own TransformerConfig does not take cuda_graph_impl: nothing is captured)":
+            model.is_diffusion,
+        "an embodied model (plain torch layers: nothing is captured; their CUDA graphs are "
+        "model.embodied.compile_mode=reduce-overhead)": model.is_embodied,
         "data.packing=thd (a packed step's shapes change with its documents)": packing == "thd",
         "model.foundation.recompute (megatron drops recomputation around its graphs)":
             model.foundation.recompute is not None,
-        "a model with an image encoder, a diffusion or an embodied model (only language models are captured)":
-            model.is_multimodal or model.is_diffusion or model.is_embodied,
     }  # fmt: skip
     impl = pcfg.cuda_graphs
     return [f"parallel.cuda_graphs={impl} cannot combine with {key}" for key, bad in cannot.items() if bad]

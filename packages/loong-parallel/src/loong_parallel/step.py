@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,6 +19,7 @@ from megatron.core.utils import get_model_config
 
 from loong_parallel.grad_accumulation import batched, flush_grads, flushing_forward_step
 from loong_parallel.model import unwrap
+from loong_xpu.nonfinite_step import step_unless_nonfinite
 
 # The loss function handed to megatron returns (loss_sum, num_tokens, {LOSS_KEY: [sum, count]}).
 LOSS_KEY = "lm loss"
@@ -141,12 +142,13 @@ def train_step(
     nonfinite = not math.isfinite(loss) or (not guarded and not _grads_finite(chunks, device))
     ok, grad_norm = False, None
     if not nonfinite:
-        norms: list[float] = []
-        with _skip_update_on_nonfinite_norm(optimizer, norms) if guarded else nullcontext():
+        if guarded:  # the update runs only if megatron's norm is finite (loong_xpu's patch)
+            # the norm is read on the host before the update is queued: reading megatron's device
+            # tensor after the step would wait for the whole update
+            ok, grad_norm = step_unless_nonfinite(optimizer)
+        else:
             ok, grad_norm, _ = optimizer.step()
-        # megatron's norm is a device tensor: reading it after the step would wait for the whole
-        # update; the guard read it (a float) before the update was queued
-        grad_norm = norms[0] if norms else (float(grad_norm) if grad_norm is not None else None)
+            grad_norm = float(grad_norm) if grad_norm is not None else None
         nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
     if ok:
         scheduler.step(increment=1)
@@ -158,35 +160,9 @@ def _norm_guards_update(optimizer: MegatronOptimizer, chunks: list[torch.nn.Modu
     ChainedOptimizer (what get_megatron_optimizer builds) computes the global norm of every gradient
     it steps before clipping, and a NaN / Inf gradient makes it non-finite. Then no second pass
     over the gradients (and no second host sync) runs before the step. Not with fp16 loss scaling,
-    where megatron finds overflows itself."""
+    where megatron finds overflows itself. The skip itself is loong_xpu's patch of megatron's
+    ChainedOptimizer (loong_xpu.nonfinite_step)."""
     return isinstance(optimizer, ChainedOptimizer) and not get_model_config(chunks[0]).fp16
-
-
-@contextmanager
-def _skip_update_on_nonfinite_norm(optimizer: ChainedOptimizer, norms: list[float]):
-    """For one ``optimizer.step()``: the update (``step_with_ready_grads``) runs only if the norm
-    that the step computed (``get_grad_norm``, all-reduced: the same on every rank) is finite.
-    megatron itself would step (its ``grad_norm_skip_threshold`` compares with ``>``, false for
-    NaN; clipping by a NaN norm leaves the gradients as they are). The norm, read on the host
-    before the update is queued, is appended to ``norms``. The wrappers are attributes of this
-    optimizer object only, removed again on exit."""
-    get_norm, update = optimizer.get_grad_norm, optimizer.step_with_ready_grads
-
-    def recorded_norm():
-        norm = get_norm()  # megatron 0.19: a device tensor with TE's multi-tensor kernels, else a float
-        norms.append(float(norm))
-        return norm
-
-    def update_if_finite() -> bool:
-        if len(norms) != 1:
-            raise RuntimeError(f"megatron's optimizer step computed {len(norms)} gradient norms, expected one")
-        return update() if math.isfinite(norms[0]) else False
-
-    optimizer.get_grad_norm, optimizer.step_with_ready_grads = recorded_norm, update_if_finite
-    try:
-        yield
-    finally:
-        del optimizer.get_grad_norm, optimizer.step_with_ready_grads
 
 
 def _grads_finite(chunks: list[torch.nn.Module], device: torch.device) -> bool:

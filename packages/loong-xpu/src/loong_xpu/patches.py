@@ -29,13 +29,16 @@ from loong_xpu.log import logger
 
 @dataclass(frozen=True)
 class Patch:
-    """``target`` (``module:attribute``) is replaced by ``make(accelerator)`` while active; an
-    attribute the module lacks is added and deleted again. ``on_cuda``: applied on CUDA too."""
+    """``target`` (``module:attribute`` or ``module:Class.attribute``) is replaced by
+    ``make(accelerator)`` while active; an attribute the module lacks is added and deleted again.
+    ``on_cuda``: applied on CUDA too. ``wraps``: the replacement wraps the original, so a
+    megatron-core without it (it changed what the patch relies on) fails naming the patch."""
 
     target: str
     reason: str
     make: Callable[[Accelerator], object]
     on_cuda: bool = False
+    wraps: bool = False
 
 
 def _wgrad_kernels(accel: Accelerator) -> types.ModuleType:
@@ -169,6 +172,24 @@ def _absorbed_mla_init_of(accel: Accelerator):
     from loong_xpu.mla_rope_key import make_absorbed_mla_init
 
     return make_absorbed_mla_init(accel)
+
+
+def _drop_grad_hooks_of(accel: Accelerator):
+    from loong_xpu.grad_hooks import make_drop_grad_accumulation_hooks
+
+    return make_drop_grad_accumulation_hooks(accel)
+
+
+def _grad_norm_of(accel: Accelerator):
+    from loong_xpu.nonfinite_step import make_get_grad_norm
+
+    return make_get_grad_norm(accel)
+
+
+def _update_of(accel: Accelerator):
+    from loong_xpu.nonfinite_step import make_step_with_ready_grads
+
+    return make_step_with_ready_grads(accel)
 
 
 MANIFEST: tuple[Patch, ...] = (
@@ -343,6 +364,7 @@ MANIFEST: tuple[Patch, ...] = (
         "loong_xpu.mtp_loss counts over the CP group (megatron's function otherwise)",
         _mtp_loss_of,
         on_cuda=True,
+        wraps=True,
     ),
     Patch(
         "megatron.core.transformer.multi_latent_attention:MLASelfAttention._qkv_down_projection",
@@ -353,6 +375,35 @@ MANIFEST: tuple[Patch, ...] = (
         "loong_xpu.mla_rope_key routes k_pe so that its gradient is all-reduced (or reduce-scattered)",
         _mla_down_projection_of,
         on_cuda=True,
+        wraps=True,
+    ),
+    Patch(
+        "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.loong_drop_grad_accumulation_hooks",
+        "megatron's DDP adds each gradient into main_grad from a Python hook per parameter and micro-batch "
+        "(805 hook calls and add launches per step for the full Pi0.5, ~22 ms of host time), with no option "
+        "to do without; this method (added) drops the hooked AccumulateGrad nodes DDP keeps in grad_accs, "
+        "and loong_xpu.grad_hooks.flush_grads adds the gradients in one multi-tensor add per micro-batch "
+        "(parallel.grad_accumulation=batched; bit for bit the hooks' sums)",
+        _drop_grad_hooks_of,
+        on_cuda=True,
+    ),
+    Patch(
+        "megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
+        "a NaN / Inf gradient makes megatron's global norm non-finite, yet its step updates anyway "
+        "(grad_norm_skip_threshold compares with >, false for NaN): for a step armed by "
+        "loong_xpu.nonfinite_step.step_unless_nonfinite the norm is read on the host as it is computed",
+        _grad_norm_of,
+        on_cuda=True,
+        wraps=True,
+    ),
+    Patch(
+        "megatron.core.optimizer.optimizer:ChainedOptimizer.step_with_ready_grads",
+        "the update of a step armed by loong_xpu.nonfinite_step.step_unless_nonfinite runs only if that "
+        "norm is finite: a non-finite step leaves weights and moments alone with no second pass over the "
+        "gradients (megatron's own otherwise)",
+        _update_of,
+        on_cuda=True,
+        wraps=True,
     ),
     Patch(
         "megatron.core.transformer.experimental_attention_variant.absorbed_mla:AbsorbedMLASelfAttention.__init__",
@@ -368,6 +419,15 @@ MANIFEST: tuple[Patch, ...] = (
 patch that is not an attribute: it is a TorchFunctionMode, entered by :func:`redirect_cuda`
 for ``device="cuda"`` / integer-ordinal arguments of factory functions, ``Tensor.to("cuda")``,
 ``Tensor.cuda()`` and therefore ``Module.cuda()``."""
+
+
+def is_applied(target: str) -> bool:
+    """Whether the manifest's patch of ``target`` is in place (a :class:`PatchSet` holds it)."""
+    try:
+        owner, attr = _resolve(target)
+    except (ImportError, AttributeError):
+        return False
+    return hasattr(owner, f"_loong_original_{attr}")
 
 
 def _resolve(target: str) -> tuple[object, str]:
@@ -432,12 +492,18 @@ def _apply_all(accel: Accelerator, patches: PatchSet) -> None:
             if patch.target.startswith("megatron."):
                 continue  # loong-xpu works without megatron-core; its patches apply where it is installed
             raise
+        except AttributeError as e:  # a class the target names is gone
+            raise RuntimeError(f"loong_xpu patch {patch.target}: {e} (the installed version changed it)") from None
         marker = f"_loong_original_{attr}"  # holds the original; its presence means "patched"
         if hasattr(owner, marker):
             if patch.on_cuda:  # an enclosing PatchSet supplies it (e.g. a host template built
                 continue  # during a CUDA run): the same replacement on every backend
             raise RuntimeError(f"{patch.target} is already patched: remove the other PatchSet first")
         original = getattr(owner, attr, _ABSENT)
+        # (a method gone from the class may leave its abstract base's in view)
+        if patch.wraps and (original is _ABSENT or getattr(original, "__isabstractmethod__", False)):
+            raise RuntimeError(f"loong_xpu patch {patch.target}: {attr} is gone from {getattr(owner, '__name__', owner)} "
+                               "(the installed version changed what this patch wraps)")  # fmt: skip
         replacement = patch.make(accel)
         if isinstance(replacement, types.FunctionType) and replacement.__module__ == __name__:
             # only our own closures take the original's name and doc; never mutate megatron's functions
