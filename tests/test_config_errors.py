@@ -119,10 +119,16 @@ def test_context_parallelism_names_what_it_cannot_combine_with():
     cfg = to_config(compose_config("parallel.cp=2", "data.seq_length=250"))
     with pytest.raises(ConfigError, match=r"data.seq_length=250 must be a multiple of 2 x parallel.cp = 4"):
         validate(cfg, world_size=2)
-    cfg = to_config(compose_config("parallel.cp=2", "model=deepseek-v32-tiny"))
-    with pytest.raises(ConfigError, match=r"cannot combine with model.foundation.sparse_attention \(DeepSeek sparse "
-                                          r"attention: Loong's DSAttention has no context-parallel path"):  # fmt: skip
-        validate(cfg, world_size=2)
+    # DeepSeek sparse attention runs all-gather CP only (as megatron-core's DSA); dense attention never
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 cannot combine with parallel.cp_comm_type=p2p \(DeepSeek "
+                                          r"sparse attention, model.foundation.sparse_attention, runs context "
+                                          r"parallelism with parallel.cp_comm_type=allgather only\)"):  # fmt: skip
+        validate(to_config(compose_config("parallel.cp=2", "model=deepseek-v32-tiny")), world_size=2)
+    validate(to_config(compose_config("parallel.cp=2", "parallel.cp_comm_type=allgather", "model=deepseek-v32-tiny")),
+             world_size=2)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 cannot combine with parallel.cp_comm_type=allgather "
+                                          r"\(all-gather CP serves DeepSeek sparse attention"):  # fmt: skip
+        validate(to_config(compose_config("parallel.cp=2", "parallel.cp_comm_type=allgather")), world_size=2)
     # multi-latent attention and multi-token prediction run under CP (parity: test_context_parallel.py)
     validate(to_config(compose_config("parallel.cp=2", "model=deepseek-v3-tiny", "model.foundation.mtp_num_layers=1")),
              world_size=2)  # fmt: skip
@@ -140,6 +146,8 @@ def test_wan_context_parallelism_cuts_samples_into_cp_parts_and_names_what_it_ca
     with pytest.raises(ConfigError, match=r"parallel.cp=2 cannot combine with parallel.cp_comm_type=a2a "
                                           r"\(model.diffusion.num_attention_heads=2 / parallel.tp=2 heads"):  # fmt: skip
         validate(wan("parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a"), world_size=4)
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 cannot combine with parallel.cp_comm_type=allgather"):
+        validate(wan("parallel.cp=2", "parallel.cp_comm_type=allgather"), world_size=2)
 
 
 @pytest.mark.parametrize("overrides, what", [

@@ -7,6 +7,8 @@ from loong_kernels import (
     deepseek_sparse_attention,
     indexer_kl_loss,
     lightning_indexer_scores,
+    lightning_indexer_topk,
+    lightning_indexer_topk_at,
     select_topk,
     sparse_attention_head_mean_probs,
     sparse_mla_attention,
@@ -59,6 +61,19 @@ def test_topk_selects_best_allowed_keys_and_pads():
         assert chosen == sorted(best)
     wide = select_topk(scores, 20)  # more than the sequence: padded with -1
     assert wide.shape == (n, 20) and (wide[:, 16:] == -1).all()
+
+
+def test_some_queries_against_all_keys_select_what_the_square_selection_selects_for_them():
+    """A context-parallel rank's queries (rows 2-3 and 12-13 of one packed batch) against every key."""
+    n = 16
+    q_i, k_i, w = _rand(n, 2, 4, seed=6), _rand(n, 4, seed=7), _rand(n, 2, seed=8)
+    rows = torch.tensor([2, 3, 12, 13])
+    starts = ref.doc_starts(CU, n, torch.device("cpu"))
+    square = lightning_indexer_topk(q_i, k_i, w, 3, CU)[rows]
+    part = lightning_indexer_topk_at(q_i[rows], k_i, w[rows], 3, rows, starts[rows])
+    assert part.shape == (4, 3) and part.dtype == torch.int32
+    assert part.sort(-1).values.tolist() == square.sort(-1).values.tolist()
+    assert sorted(part[2].tolist()) == [-1, -1, 12]  # the first token of its document sees itself only
 
 
 def _dense_attention(q, kv, mask, d_v, scale):

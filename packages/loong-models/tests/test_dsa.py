@@ -4,6 +4,7 @@
   megatron's dense ``MLASelfAttention`` on the same weights, forward and backward.
 * The indexer is trained only by its KL loss, and that loss reaches nothing else.
 * The loss follows megatron's per-token convention and the schedule's loss scale.
+* Packed (THD) documents give what each document gives alone.
 * A few optimizer steps through megatron's pipeline schedule lower both the LM and indexer losses.
 """
 
@@ -110,6 +111,34 @@ def test_full_topk_equals_dense_mla_forward_and_backward(megatron_cpu):
     for name, p in sparse.named_parameters():
         if ".indexer." not in name:
             torch.testing.assert_close(p.grad, dense_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_documents_attend_and_select_as_if_each_ran_alone(megatron_cpu):
+    """THD: documents of 10 and 14 tokens packed back to back, the indexer's RoPE restarting at each
+    and its selection (4 keys, so it drops keys) staying inside each; outputs and gradients equal
+    the documents run one by one."""
+    from loong_models.packed_seq import packed_seq_params
+
+    torch.manual_seed(0)
+    # per-token indexer loss: a sum over query tokens, so the packed sum is the documents' sum
+    attn, config = dsa_attention(tiny(topk=4, coeff=1.0), calculate_per_token_loss=True)
+    lengths = [10, 14]
+    x = torch.randn(sum(lengths), 1, config.hidden_size)
+    grad = torch.linspace(-1, 1, x.numel()).view_as(x)
+    x_packed = x.clone().requires_grad_()
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    out, _ = attn(x_packed, None, packed_seq_params=packed_seq_params(cu, max(lengths)))
+    out.backward(grad)
+    packed = {n: p.grad.clone() for n, p in attn.named_parameters()}
+    attn.zero_grad()
+    x_alone = x.clone().requires_grad_()
+    alone = torch.cat([attn(part, None)[0] for part in x_alone.split(lengths)])
+    alone.backward(grad)
+    torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(x_packed.grad, x_alone.grad, atol=1e-5, rtol=1e-4)
+    for name, p in attn.named_parameters():  # relative to each gradient's size: the indexer's are ~1e-3
+        assert (packed[name] - p.grad).abs().max() <= 1e-5 * p.grad.abs().max(), name
+    assert all(g.abs().max() > 1e-4 for n, g in packed.items() if ".indexer." in n)  # its loss ran
 
 
 def test_indexer_is_trained_only_by_its_loss(megatron_cpu):

@@ -6,7 +6,8 @@ runs every sample of the batch in chunks instead of megatron's schedule; ``sp``:
 parallelism, which megatron requires for MoE with TP). The model is a tiny GQA Llama;
 ``mla-...`` runs deepseek-v3-tiny instead (multi-latent attention: query/key and value head sizes
 differ, a decoupled RoPE part shared by the heads; MoE layers after the first), ``mla-mtp-...``
-with one multi-token-prediction layer, ``mla-dense-...`` with dense layers only (TP without SP).
+with one multi-token-prediction layer, ``mla-dense-...`` with dense layers only (TP without SP);
+``dsa-...`` a small deepseek-v32-tiny (DeepSeek sparse attention, all-gather CP).
 The first pass runs with tp = pp = cp = 1 (every rank computes the whole global batch: the
 one-process numbers); then each layout runs the same model, weights and global batch through
 megatron's schedule, DDP and ``finalize_model_grads`` (which reduces gradients and token counts
@@ -63,6 +64,12 @@ MODELS = {
     "mla-mtp": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "foundation.mtp_num_layers=1",
                                      "layer_backend=local"]),
     "mla-dense": ("deepseek-v3-tiny", [f"foundation.num_layers={LAYERS}", "layer_backend=local"]),
+    # index_topk 8 of SEQ 32: the selection drops keys (with every key kept it would be dense MLA);
+    # small and 2 layers to keep CI short (pp layouts would need LAYERS layers)
+    "dsa": ("deepseek-v32-tiny", ["foundation.num_layers=2", "foundation.hidden_size=64", "foundation.ffn_hidden_size=128",
+                                  "foundation.num_attention_heads=4", "foundation.vocab_size=1024",
+                                  "foundation.sparse_attention.index_n_heads=4", "foundation.sparse_attention.index_topk=8",
+                                  "layer_backend=local"]),
 }  # fmt: skip
 
 
@@ -75,13 +82,15 @@ def without_moe(tconfig: TransformerConfig, cfg: ModelConfig) -> TransformerConf
 
 
 def model_key(layout: str) -> str:
-    words = [w for w in layout.split("-") if w in ("mla", "mtp", "dense")]
+    words = [w for w in layout.split("-") if w in ("mla", "mtp", "dense", "dsa")]
     return "-".join(words) or "gqa"
 
 
 def parse(layout: str) -> tuple[ParallelConfig, bool, bool]:
     """(layout, packed data, ChunkPipe)."""
-    kw: dict = {"cp_comm_type": "a2a" if "a2a" in layout else "p2p", "sequence_parallel": "sp" in layout.split("-")}
+    words = layout.split("-")
+    comm = "allgather" if "dsa" in words else "a2a" if "a2a" in words else "p2p"  # DSA: all-gather CP only
+    kw: dict = {"cp_comm_type": comm, "sequence_parallel": "sp" in words}
     for part in layout.split("-"):
         for key in ("cp", "tp", "pp"):
             if part.startswith(key) and part[len(key):].isdigit():

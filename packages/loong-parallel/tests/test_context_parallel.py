@@ -2,7 +2,7 @@
 combine with it, and (torchrun, gloo) 2- and 4-process CP layouts, alone and with TP and PP, for
 plain and packed (THD) data, against the one-process loss and gradients in fp32: a GQA Llama and
 deepseek-v3-tiny (multi-latent attention, MoE, and a multi-token-prediction layer whose label
-shift crosses CP ranks). The same
+shift crosses CP ranks) and a small deepseek-v32-tiny (DeepSeek sparse attention, all-gather CP). The same
 launches run ChunkPipe across 2 and 4 pipeline stages (see cp_worker.py). The Wan DiT's
 bidirectional CP (contiguous token parts, local cross-attention, the loss on each rank's part)
 matches one process over optimizer steps (wan_cp_worker.py). The tiny VLM's packed micro-batches
@@ -23,7 +23,11 @@ import torch
 from loong_data import collate_packed
 from loong_models.attention.cp_layout import zigzag_positions
 from loong_parallel import ParallelConfig
-from loong_parallel.context_parallel import context_parallel_conflicts, split_for_context_parallel
+from loong_parallel.context_parallel import (
+    context_parallel_conflicts,
+    cp_comm_type_conflicts,
+    split_for_context_parallel,
+)
 
 WORKER = Path(__file__).with_name("cp_worker.py")
 WAN_WORKER = Path(__file__).with_name("wan_cp_worker.py")
@@ -64,10 +68,27 @@ def test_configs_that_cannot_combine_with_context_parallelism_are_named():
         "(every sequence is cut into 2 x cp load-balanced chunks)",
     ]
     assert context_parallel_conflicts(ParallelConfig(), seq_length=5, features={"y": True}) == []
-    with pytest.raises(ValueError, match="parallel.cp_comm_type='ring'; allowed: p2p, a2a"):
+    with pytest.raises(ValueError, match="parallel.cp_comm_type='ring'; allowed: p2p, a2a, allgather"):
         ParallelConfig(cp=2, cp_comm_type="ring").validate(2, 2, 4, 2)
     with pytest.raises(ValueError, match=r"parallel.cp = 1 \* 1 \* 4"):
         ParallelConfig(cp=4).validate(6, 2, 4, 2)
+
+
+def test_sparse_attention_takes_allgather_context_parallelism_only_and_dense_attention_refuses_it():
+    class DSA:
+        sparse_attention = object()
+
+    def refused(comm: str, foundation) -> list[str]:
+        return [k for k, on in cp_comm_type_conflicts(ParallelConfig(cp=2, cp_comm_type=comm), foundation).items() if on]
+
+    assert refused("allgather", DSA()) == [] and refused("p2p", None) == [] and refused("a2a", None) == []
+    for comm in ("p2p", "a2a"):
+        assert refused(comm, DSA()) == [f"parallel.cp_comm_type={comm} (DeepSeek sparse attention, "
+                                        "model.foundation.sparse_attention, runs context parallelism with "
+                                        "parallel.cp_comm_type=allgather only)"]  # fmt: skip
+    assert refused("allgather", None) == ["parallel.cp_comm_type=allgather (all-gather CP serves DeepSeek sparse "
+                                          "attention, model.foundation.sparse_attention; dense attention takes p2p "
+                                          "or a2a)"]  # fmt: skip
 
 
 def _torchrun(nproc: int, layouts: list[str], out: Path, worker: Path = WORKER) -> dict:
@@ -84,19 +105,22 @@ def _torchrun(nproc: int, layouts: list[str], out: Path, worker: Path = WORKER) 
     ("nproc", "layouts"),
     [
         (2, ["cp2", "cp2-a2a-thd", "chunkpipe-pp2", "chunkpipe-pp2-thd", "mla-cp2", "mla-mtp-cp2-thd", "mla-tp2-sp",
-             "mla-dense-tp2"]),
+             "mla-dense-tp2", "dsa-cp2", "dsa-tp2-sp"]),
         (4, ["cp4", "cp2-tp2", "cp2-pp2", "cp2-a2a", "cp4-thd", "cp2-tp2-thd", "cp2-pp2-thd", "chunkpipe-pp4-thd",
-             "mla-cp4-a2a", "mla-mtp-cp4-thd", "mla-mtp-cp2-pp2", "mla-mtp-cp2-tp2-sp"]),
+             "mla-cp4-a2a", "mla-mtp-cp4-thd", "mla-mtp-cp2-pp2", "mla-mtp-cp2-tp2-sp", "dsa-cp4-thd", "dsa-cp2-tp2-sp"]),
     ],
     ids=["2-processes", "4-processes"],
 )
-def test_cp_and_chunkpipe_layouts_of_gqa_and_mla_models_match_one_process_in_loss_and_every_gradient(
+def test_cp_and_chunkpipe_layouts_of_gqa_mla_and_dsa_models_match_one_process_in_loss_and_every_gradient(
     tmp_path, nproc, layouts
 ):
     """``mla-...``: deepseek-v3-tiny (MLA, MoE; ``mtp``: with an MTP layer; ``dense``: dense MLPs, for
     TP without sequence parallelism). Under TP, MLA's shared RoPE key and its query-latent norm need
     Loong's corrections of megatron's gradient reductions (loong_xpu.mla_rope_key, loong_models.norm's
-    tp_replicated): without them TP differs from one process by ~1e-4."""
+    tp_replicated): without them TP differs from one process by ~1e-4. ``dsa-...``: deepseek-v32-tiny
+    (absorbed MLA + DeepSeek sparse attention, 8 of 32 keys per query, the indexer trained by its
+    loss) under all-gather CP, plain and THD, and TP + SP (megatron's AbsorbedMLA requires SP under TP; its shared
+    RoPE key needs loong_xpu.mla_rope_key too: without it 4.6e-4)."""
     report = _torchrun(nproc, layouts, tmp_path / "report.json")
     assert sorted(report) == sorted(layouts)
     for layout, r in report.items():

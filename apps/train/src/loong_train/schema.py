@@ -170,12 +170,11 @@ def _chunkpipe_moe_conflicts(moe: MoEConfig | None) -> dict[str, bool]:
 
 
 def _context_parallel_errors(cfg: Config) -> list[str]:
-    f, d = cfg.model.foundation, cfg.data
     if cfg.model.is_diffusion:
         return _diffusion_context_parallel_errors(cfg)
     e = cfg.model.image_encoder
-    return context_parallel_conflicts(cfg.parallel, seq_length=d.seq_length, features={
-        f"model.foundation.sparse_attention ({cp_rules.DSA_CP_REASON})": f.sparse_attention is not None,
+    return context_parallel_conflicts(cfg.parallel, seq_length=cfg.data.seq_length, features={
+        **cp_rules.cp_comm_type_conflicts(cfg.parallel, cfg.model.foundation),
         **(cp_rules.encoder_context_parallel_conflicts(cfg.parallel, e.tensor_model_parallel_size) if e else {}),
     })  # fmt: skip
 
@@ -188,6 +187,7 @@ def _diffusion_context_parallel_errors(cfg: Config) -> list[str]:
     return context_parallel_conflicts(p, seq_length=cfg.data.seq_length, balanced=False, features={
         f"parallel.cp_comm_type=a2a (model.diffusion.num_attention_heads={heads} / parallel.tp={p.tp} heads per "
         "rank must divide by parallel.cp; use p2p)": a2a_heads,
+        **cp_rules.cp_comm_type_conflicts(p, None),
         "parallel.balance.enabled=true (the DP balancer would split a CP group's samples)": p.balance.enabled,
     })  # fmt: skip
 

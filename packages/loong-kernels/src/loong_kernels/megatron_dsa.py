@@ -39,6 +39,8 @@ def blocker(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, 
         return f"megatron-core's sparse MLA needs d_qk={_D_QK}, d_v={_D_V}; got {q.shape[2]}, {d_v}"
     if heads < 16 or heads & (heads - 1):
         return f"megatron-core's sparse MLA needs a power-of-two head count >= 16, got {heads}"
+    if q.shape[0] != kv.shape[0]:
+        return f"megatron-core's sparse MLA takes as many keys as queries, got {kv.shape[0]} and {q.shape[0]}"
     if _ops() is None:
         return "megatron-core's TileLang sparse MLA does not import"
     return None

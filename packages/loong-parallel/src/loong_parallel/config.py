@@ -40,6 +40,9 @@ class CPCommType(StrEnum):
 
     p2p = "p2p"  # ring: key/value blocks travel around the CP ranks
     a2a = "a2a"  # all-to-all: each rank attends the whole sequence for heads / cp heads
+    # all-gather: each rank attends its queries to the whole sequence's gathered keys / values;
+    # DeepSeek sparse attention runs CP only this way (as megatron-core's DSA), dense attention never
+    allgather = "allgather"
 
 
 class GradAccumulation(StrEnum):

@@ -66,9 +66,19 @@ def context_parallel_conflicts(pcfg, *, seq_length: int, features: dict[str, boo
     return errors
 
 
-# Why DeepSeek sparse attention cannot run under CP (the train app's refusal names it).
-DSA_CP_REASON = ("DeepSeek sparse attention: Loong's DSAttention has no context-parallel path, and megatron-core "
-                 "0.19's runs CP only with cp_comm_type=allgather, which parallel.cp_comm_type does not offer")
+def cp_comm_type_conflicts(pcfg, foundation=None) -> dict[str, bool]:
+    """Which ``parallel.cp_comm_type`` the model's attention takes under CP. DeepSeek sparse attention
+    (``foundation.sparse_attention`` set; ``foundation`` None: a model without it): all-gather only (megatron-core 0.19's DSA offers no other; Loong's
+    DSAttention runs the same algorithm). Dense attention: p2p or a2a (the ring and all-to-all of
+    Loong's SDPAttention and of TE). Maps each refused setting to whether it is set."""
+    comm = str(pcfg.cp_comm_type)
+    sparse_attention = getattr(foundation, "sparse_attention", None) is not None
+    return {
+        f"parallel.cp_comm_type={comm} (DeepSeek sparse attention, model.foundation.sparse_attention, runs "
+        "context parallelism with parallel.cp_comm_type=allgather only)": sparse_attention and comm != "allgather",
+        "parallel.cp_comm_type=allgather (all-gather CP serves DeepSeek sparse attention, "
+        "model.foundation.sparse_attention; dense attention takes p2p or a2a)": not sparse_attention and comm == "allgather",
+    }  # fmt: skip
 
 
 def encoder_context_parallel_conflicts(pcfg, encoder_tp: int | None) -> dict[str, bool]:

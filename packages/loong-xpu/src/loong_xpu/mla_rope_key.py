@@ -44,6 +44,33 @@ def make_qkv_down_projection(accel: object = None):
     return _qkv_down_projection
 
 
+def make_absorbed_mla_init(accel: object = None):
+    """``AbsorbedMLASelfAttention.__init__`` (DeepSeek sparse attention's MLA), then a forward hook on
+    its kv down projection that does what :func:`make_qkv_down_projection` does for
+    ``MLASelfAttention``: megatron inlines that projection in ``get_query_key_value_tensors``, and
+    with the local backend's column-parallel projection it gathers the output's columns and keeps
+    ``k_pe`` whole, so its gradient holds this rank's heads' share only. The hook hands megatron the
+    full-width output cut to this rank's sequence part (AbsorbedMLA requires sequence parallelism
+    under TP): megatron then all-gathers ``k_pe`` itself and reduce-scatters, i.e. sums, its gradient."""
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
+
+    original = AbsorbedMLASelfAttention.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            hook = functools.partial(_full_width_kv_combined, config=self.config, tp_group=self.tp_group)
+            self.linear_kv_down_proj.register_forward_hook(hook)
+
+    return __init__
+
+
+def _full_width_kv_combined(module, args, output, *, config, tp_group):  # noqa: ANN001, ANN202 (a forward hook)
+    kv_combined, bias = output
+    return shared_rope_key_summed_over_tp(kv_combined, config, tp_group), bias
+
+
 def shared_rope_key_summed_over_tp(kv_combined: torch.Tensor, config, tp_group) -> torch.Tensor:
     """``kv_combined`` ([s(/TP), b, kv_lora_rank + qk_pos_emb_head_dim], or this rank's columns of
     it from a column-parallel projection) with the RoPE key's gradient summed over ``tp_group``."""

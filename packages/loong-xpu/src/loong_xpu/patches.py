@@ -168,6 +168,12 @@ def _mla_down_projection_of(accel: Accelerator):
     return make_qkv_down_projection(accel)
 
 
+def _absorbed_mla_init_of(accel: Accelerator):
+    from loong_xpu.mla_rope_key import make_absorbed_mla_init
+
+    return make_absorbed_mla_init(accel)
+
+
 def _drop_grad_hooks_of(accel: Accelerator):
     from loong_xpu.grad_hooks import make_drop_grad_accumulation_hooks
 
@@ -398,6 +404,15 @@ MANIFEST: tuple[Patch, ...] = (
         _update_of,
         on_cuda=True,
         wraps=True,
+    ),
+    Patch(
+        "megatron.core.transformer.experimental_attention_variant.absorbed_mla:AbsorbedMLASelfAttention.__init__",
+        "the same shared RoPE key in DeepSeek sparse attention's absorbed MLA, whose kv down projection is "
+        "inlined in get_query_key_value_tensors: with the local backend's column-parallel projection under "
+        "TP (+ SP, which AbsorbedMLA requires) k_pe's gradient is this rank's heads' share only. "
+        "loong_xpu.mla_rope_key hooks the projection so that megatron reduce-scatters k_pe's gradient",
+        _absorbed_mla_init_of,
+        on_cuda=True,
     ),
 )
 """Attribute patches. The device-argument rewrite (:class:`_DeviceRedirectMode`) is the one

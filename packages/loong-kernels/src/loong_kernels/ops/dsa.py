@@ -95,6 +95,21 @@ def lightning_indexer_topk(
     return call_with(choose_op("indexer_topk", *args), "indexer_topk", *args)
 
 
+@torch.no_grad()
+def lightning_indexer_topk_at(
+    q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, rows: torch.Tensor, starts: torch.Tensor
+) -> torch.Tensor:
+    """:func:`lightning_indexer_topk` for queries that are some of the keys: query ``t`` is key
+    ``rows[t]`` and sees keys ``starts[t] .. rows[t]`` (a context-parallel rank's queries against
+    the whole sequence's gathered keys). ``q_i`` ``[T, H_i, D_i]``, ``k_i`` ``[S, D_i]``, ``w``
+    ``[T, H_i]``; returns int32 ``[T, topk]`` indices into ``k_i``, ``-1`` for empty slots.
+
+    The torch reference runs it on every device: the fused kernels score square ``[T, T]`` blocks."""
+    _check_thd("q_i", q_i, 3)
+    _check_thd("k_i", k_i, 2)
+    return ref.indexer_topk(q_i.contiguous(), k_i.contiguous(), w.contiguous(), starts.to(q_i.device), topk, rows)
+
+
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """int32 ``[T, topk]`` indices of the best keys per query; ``-1`` where fewer keys are allowed."""
     return ref.topk_indices(scores, topk)

@@ -11,8 +11,11 @@ from loong_kernels.autotune import Step, token_bucket
 
 
 def sparse_mla_bucket(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, scale: float) -> tuple:
-    """Tokens rounded up to a power of two; heads, top-k and widths exactly (kernels specialise on them)."""
-    return (token_bucket(q.shape[0]), f"H={q.shape[1]}", f"K={indices.shape[1]}", f"d_qk={q.shape[2]}", f"d_v={d_v}")
+    """Tokens rounded up to a power of two; heads, top-k and widths exactly (kernels specialise on them).
+    Queries that are a part of the keys (a context-parallel rank's) are a bucket of their own: only
+    the reference takes them, and a square shape's winner must not be reused for them."""
+    key = (token_bucket(q.shape[0]), f"H={q.shape[1]}", f"K={indices.shape[1]}", f"d_qk={q.shape[2]}", f"d_v={d_v}")
+    return key if kv.shape[0] == q.shape[0] else (*key, f"keys={token_bucket(kv.shape[0])}")
 
 
 def sparse_mla_trial(

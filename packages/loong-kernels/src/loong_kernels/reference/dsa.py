@@ -40,22 +40,27 @@ def doc_starts(cu_seqlens: torch.Tensor | None, n_tokens: int, device: torch.dev
     return cu[doc].to(torch.int32)
 
 
-def indexer_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """Lightning-indexer scores ``[T, T]`` float32, ``-inf`` outside each query's causal document.
+def indexer_scores(
+    q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Lightning-indexer scores ``[T, S]`` float32, ``-inf`` outside each query's causal document.
 
-    ``q_i``: ``[T, H_i, D_i]``, ``k_i``: ``[T, D_i]``, ``w``: ``[T, H_i]``, ``starts``: :func:`doc_starts`.
+    ``q_i``: ``[T, H_i, D_i]``, ``k_i``: ``[S, D_i]``, ``w``: ``[T, H_i]``, ``starts``: :func:`doc_starts`
+    of each query. ``rows``: each query's own index among the keys (None: query ``t`` is key ``t``,
+    ``S == T``); a context-parallel rank scores its queries against the whole sequence's keys.
     """
     n, heads, _ = q_i.shape
     kf = acc(k_i)
-    keys = torch.arange(n, device=q_i.device)
-    out = torch.empty(n, n, dtype=acc_dtype(q_i), device=q_i.device)
-    step = _query_chunk(heads * n)
+    keys = torch.arange(k_i.shape[0], device=q_i.device)
+    rows = keys[:n] if rows is None else rows.to(device=q_i.device, dtype=torch.int64)
+    out = torch.empty(n, k_i.shape[0], dtype=acc_dtype(q_i), device=q_i.device)
+    step = _query_chunk(heads * k_i.shape[0])
     for c0 in range(0, n, step):
         q = acc(q_i[c0 : c0 + step])
         s = torch.relu(torch.einsum("thd,sd->ths", q, kf))
         scores = torch.einsum("ths,th->ts", s, acc(w[c0 : c0 + step]))
-        rows = keys[c0 : c0 + step, None]
-        allowed = (keys[None, :] <= rows) & (keys[None, :] >= starts[c0 : c0 + step, None].long())
+        row = rows[c0 : c0 + step, None]
+        allowed = (keys[None, :] <= row) & (keys[None, :] >= starts[c0 : c0 + step, None].long())
         out[c0 : c0 + step] = scores.masked_fill(~allowed, float("-inf"))
     return out
 
@@ -74,9 +79,12 @@ def topk_indices(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return idx
 
 
-def indexer_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, topk: int) -> torch.Tensor:
+def indexer_topk(
+    q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, topk: int,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`topk_indices` of :func:`indexer_scores`: the selection as one kernel-shaped call."""
-    return topk_indices(indexer_scores(q_i, k_i, w, starts), topk)
+    return topk_indices(indexer_scores(q_i, k_i, w, starts, rows), topk)
 
 
 def _gather_rows(x: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,8 @@ _TOPK_BLOCK, _TOPK_THREADS = 64, 128
 
 def _indexer_shapes_ok(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor) -> bool:
     heads, dim = q_i.shape[1], q_i.shape[2]
-    return heads % 16 == 0 and heads <= 128 and dim % 16 == 0 and k_i.dtype == q_i.dtype == w.dtype
+    same_tokens = q_i.shape[0] == k_i.shape[0]  # one token count in the kernels (see sparse_mla._shapes_ok)
+    return heads % 16 == 0 and heads <= 128 and dim % 16 == 0 and same_tokens and k_i.dtype == q_i.dtype == w.dtype
 
 
 def supports_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, starts: torch.Tensor) -> bool:

@@ -42,7 +42,10 @@ def _shapes_ok(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> bool:
     heads_ok = heads % 16 == 0 and (heads <= 64 or heads % 64 == 0)
     dims_ok = d_v % 64 == 0 and tail > 0 and tail % 16 == 0
     bh = _head_block(heads)
-    return heads_ok and dims_ok and _warps_fit(bh, tail, bh) and kv.dtype == q.dtype
+    # the kernels declare one token count for queries and keys; a context-parallel rank's queries
+    # are a part of the keys (its selection indexes the whole sequence): the reference runs those
+    same_tokens = q.shape[0] == kv.shape[0]
+    return heads_ok and dims_ok and same_tokens and _warps_fit(bh, tail, bh) and kv.dtype == q.dtype
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, scale: float) -> bool:

@@ -57,10 +57,20 @@ class LightningIndexer(MegatronModule):
         pe, nope = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([apply_rotary_pos_emb(pe, freqs, config=self.config), nope], dim=-1)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x``: ``[s, b, hidden]``, ``qr``: ``[s, b, q_lora_rank]`` (full sequence)."""
+    def forward(
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x``: ``[s, b, hidden]``, ``qr``: ``[s, b, q_lora_rank]``: the full sequence, or under
+        context parallelism this rank's tokens, whose positions in their sequence ``positions``
+        (int64 ``[s]``) gives; None: ``0 .. s - 1``."""
         s, b, _ = x.shape
-        freqs = self.rotary_pos_emb(s).to(x.device)  # [s, 1, 1, rope_dim]
+        # get_emb, not forward: megatron's RotaryEmbedding.forward cuts its table into this CP
+        # rank's zigzag chunks itself, which is right only for the whole sequence's length
+        if positions is None:
+            freqs = self.rotary_pos_emb.get_emb(s)  # [s, 1, 1, rope_dim]
+        else:
+            freqs = self.rotary_pos_emb.get_emb(int(positions.max()) + 1)[positions.to(x.device)]
+        freqs = freqs.to(x.device)
         q = self._rope(self.linear_wq_b(qr).view(s, b, self.n_heads, self.head_dim), freqs)
         k = self.k_norm(self.linear_wk(x)).view(s, b, 1, self.head_dim)
         k = self._rope(k, freqs).view(s, b, self.head_dim)
