@@ -2,8 +2,11 @@
 
     from loong_xpu import get_accelerator, redirect_cuda
     accel = get_accelerator()          # LOONG_DEVICE=auto|cuda|cpu|<plugin>
-    with redirect_cuda(accel):         # on CUDA only apex stand-ins; megatron-core runs unmodified elsewhere
+    with redirect_cuda(accel):         # applies the patch manifest (loong_xpu.patches.MANIFEST)
         ...
+
+Off CUDA the manifest redirects megatron-core's CUDA calls to the accelerator; on CUDA it applies
+only the entries marked ``on_cuda`` (apex stand-ins and megatron corrections, each with its reason).
 """
 
 from loong_xpu.accelerator import FEATURES, Accelerator, MemoryStats, UnsupportedFeatureError
