@@ -156,40 +156,14 @@ def _dummy_wgrad_of(accel: Accelerator):
     return get_dummy_wgrad
 
 
-def _mtp_loss_of(accel: Accelerator):
-    from loong_xpu.mtp_loss import make_process_mtp_loss
+def _made_by(module: str, factory: str) -> Callable[[Accelerator], object]:
+    """The replacement that ``loong_xpu.<module>.<factory>(accel)`` builds, imported when the
+    manifest is applied (these modules import megatron-core, which plain ``import loong_xpu`` must not)."""
 
-    return make_process_mtp_loss(accel)
+    def make(accel: Accelerator) -> object:
+        return getattr(importlib.import_module(f"loong_xpu.{module}"), factory)(accel)
 
-
-def _mla_down_projection_of(accel: Accelerator):
-    from loong_xpu.mla_rope_key import make_qkv_down_projection
-
-    return make_qkv_down_projection(accel)
-
-
-def _absorbed_mla_init_of(accel: Accelerator):
-    from loong_xpu.mla_rope_key import make_absorbed_mla_init
-
-    return make_absorbed_mla_init(accel)
-
-
-def _drop_grad_hooks_of(accel: Accelerator):
-    from loong_xpu.grad_hooks import make_drop_grad_accumulation_hooks
-
-    return make_drop_grad_accumulation_hooks(accel)
-
-
-def _grad_norm_of(accel: Accelerator):
-    from loong_xpu.nonfinite_step import make_get_grad_norm
-
-    return make_get_grad_norm(accel)
-
-
-def _update_of(accel: Accelerator):
-    from loong_xpu.nonfinite_step import make_step_with_ready_grads
-
-    return make_step_with_ready_grads(accel)
+    return make
 
 
 MANIFEST: tuple[Patch, ...] = (
@@ -362,7 +336,7 @@ MANIFEST: tuple[Patch, ...] = (
         "rank's own token counts (before / after the layer's shift), not the whole sequences': ranks "
         "weight their parts of one sequence differently and the gradient differs from one process's. "
         "loong_xpu.mtp_loss counts over the CP group (megatron's function otherwise)",
-        _mtp_loss_of,
+        _made_by("mtp_loss", "make_process_mtp_loss"),
         on_cuda=True,
         wraps=True,
     ),
@@ -373,7 +347,7 @@ MANIFEST: tuple[Patch, ...] = (
         "sequence parallelism (megatron-core issue #1699). Without SP, or with the local backend's "
         "column-parallel down projection, every gradient below MLA differs from one process's. "
         "loong_xpu.mla_rope_key routes k_pe so that its gradient is all-reduced (or reduce-scattered)",
-        _mla_down_projection_of,
+        _made_by("mla_rope_key", "make_qkv_down_projection"),
         on_cuda=True,
         wraps=True,
     ),
@@ -384,7 +358,7 @@ MANIFEST: tuple[Patch, ...] = (
         "to do without; this method (added) drops the hooked AccumulateGrad nodes DDP keeps in grad_accs, "
         "and loong_xpu.grad_hooks.flush_grads adds the gradients in one multi-tensor add per micro-batch "
         "(parallel.grad_accumulation=batched; bit for bit the hooks' sums)",
-        _drop_grad_hooks_of,
+        _made_by("grad_hooks", "make_drop_grad_accumulation_hooks"),
         on_cuda=True,
     ),
     Patch(
@@ -392,7 +366,7 @@ MANIFEST: tuple[Patch, ...] = (
         "a NaN / Inf gradient makes megatron's global norm non-finite, yet its step updates anyway "
         "(grad_norm_skip_threshold compares with >, false for NaN): for a step armed by "
         "loong_xpu.nonfinite_step.step_unless_nonfinite the norm is read on the host as it is computed",
-        _grad_norm_of,
+        _made_by("nonfinite_step", "make_get_grad_norm"),
         on_cuda=True,
         wraps=True,
     ),
@@ -401,7 +375,7 @@ MANIFEST: tuple[Patch, ...] = (
         "the update of a step armed by loong_xpu.nonfinite_step.step_unless_nonfinite runs only if that "
         "norm is finite: a non-finite step leaves weights and moments alone with no second pass over the "
         "gradients (megatron's own otherwise)",
-        _update_of,
+        _made_by("nonfinite_step", "make_step_with_ready_grads"),
         on_cuda=True,
         wraps=True,
     ),
@@ -411,7 +385,7 @@ MANIFEST: tuple[Patch, ...] = (
         "inlined in get_query_key_value_tensors: with the local backend's column-parallel projection under "
         "TP (+ SP, which AbsorbedMLA requires) k_pe's gradient is this rank's heads' share only. "
         "loong_xpu.mla_rope_key hooks the projection so that megatron reduce-scatters k_pe's gradient",
-        _absorbed_mla_init_of,
+        _made_by("mla_rope_key", "make_absorbed_mla_init"),
         on_cuda=True,
     ),
 )
