@@ -81,6 +81,8 @@ def test_the_te_block_is_megatrons_te_gpt_block(megatron_cpu, name):
     theirs = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
     assert tree(decoder_block_spec(config, backend="te")) == tree(theirs)
     assert tree(layer_spec(spec_provider("te"), LayerShape())) == tree(get_gpt_layer_with_transformer_engine_spec())
+    fused = get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=True)  # model.fused_mlp
+    assert tree(layer_spec(spec_provider("te"), LayerShape(te_op_fuser=True))) == tree(fused)
 
 
 def test_every_module_of_a_local_layer_comes_from_the_provider():

@@ -64,3 +64,38 @@ def test_the_vlm_step_queues_forward_and_backward_without_a_stream_sync(megatron
         torch.cuda.set_sync_debug_mode("default")
     encoder = chunk.module.image_encoder
     assert encoder.patch_embed.proj.weight.main_grad.abs().sum() > 0  # the ViT's backward ran
+
+
+def _chunk(fused_mlp: bool):
+    cfg = load_model_config("tiny-vlm", ["foundation.num_layers=2", f"+fused_mlp={str(fused_mlp).lower()}"])
+    kind, pcfg = LanguageModel.from_config(cfg, "cuda"), ParallelConfig()
+    config = kind.transformer_config(pcfg, dtype=torch.float32, device_type="cuda")
+    torch.manual_seed(0)
+    (chunk,) = build_model_chunks(kind.provider(config, pcfg, device_type="cuda"), pcfg, config,
+                                  get_accelerator("cuda"))  # fmt: skip
+    return kind, chunk
+
+
+def test_te_op_fuser_mlps_give_the_vlm_the_loss_and_gradients_of_megatrons_mlp(megatron_cuda):
+    # model.fused_mlp: the foundation's and the ViT's SwiGLU MLPs become TE's op-fuser MLP (with
+    # TE's wgrad accumulation into main_grad); the same parameters give the same loss and gradients
+    from megatron.core.extensions.transformer_engine import TEFusedMLP
+
+    runs = {}
+    for fused in (False, True):
+        kind, chunk = _chunk(fused)
+        if fused:
+            chunk.load_state_dict(runs[False][0])  # the same weights, under the same keys
+        fused_mlps = [n for n, m in chunk.named_modules() if isinstance(m, TEFusedMLP)]
+        n_layers = 2 + chunk.module.image_encoder.config.num_layers
+        assert len(fused_mlps) == (n_layers if fused else 0), fused_mlps
+        out, loss_func = kind.forward_step(torch.device("cuda"))(iter([step_batch()]), chunk)
+        loss, count, _ = loss_func(out)
+        (loss / count).backward()
+        grads = {n: p.main_grad.clone() for n, p in chunk.module.named_parameters()}
+        runs[fused] = (chunk.state_dict(), (loss / count).detach(), grads)
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-5)
+    assert runs[True][2].keys() == runs[False][2].keys()
+    for name, grad in runs[False][2].items():
+        torch.testing.assert_close(runs[True][2][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert any("mlp.linear_fc1" in n and g.abs().sum() > 0 for n, g in runs[True][2].items())

@@ -57,6 +57,11 @@ class ModelConfig:
     # Triton launch), which a host-bound step (small layers, many of them) pays in wall time.
     fuse_bias_dropout_add: bool = True
     fuse_bias_activation: bool = True
+    # With TE layers: every dense SwiGLU MLP (foundation, image encoder) as megatron's TEFusedMLP,
+    # TE's operation fuser over norm, fc1, bias, SwiGLU and fc2: TE's CUDA kernels for bias +
+    # SwiGLU and its backward, no torch.compile'd fusion (no host guards) and no eager elementwise
+    # ops. Same parameters and checkpoint keys as the plain MLP; other MLPs stay megatron's MLP.
+    fused_mlp: bool = False
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
     # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,
@@ -93,6 +98,7 @@ class ModelConfig:
             self._validate_diffusion(prefix)
             return
         self.foundation.validate(f"{prefix}.foundation")
+        self._validate_fused_mlp(prefix)
         if (self.image_encoder is None) != (self.image_projector is None):
             raise ValueError(f"{prefix}.image_encoder and {prefix}.image_projector must both be set (a VLM) "
                              "or both be null (a text-only model)")  # fmt: skip
@@ -117,6 +123,22 @@ class ModelConfig:
         if ptp is not None and ptp != etp:
             raise ValueError(f"{prefix}.image_projector.tensor_model_parallel_size={ptp}: the projector runs on "
                              f"the encoder's group; use null or the encoder's size ({etp})")  # fmt: skip
+
+    def _validate_fused_mlp(self, prefix: str) -> None:
+        """TE's op fuser runs fc1 and fc2 without calling their modules, so nothing that works
+        through those modules may be combined with it."""
+        if not self.fused_mlp:
+            return
+        conflicts = {
+            f"{prefix}.lora": self.lora is not None,  # adapters wrap fc1 / fc2's forward
+            f"{prefix}.foundation.moe": self.foundation.moe is not None,  # experts have their own fused path
+            # per-module FP8 decisions are read by each linear's forward
+            f"{prefix}.foundation.precision.fp8=adaptive": self.foundation.precision.fp8 == "adaptive",
+        }
+        for key, conflict in conflicts.items():
+            if conflict:
+                raise ValueError(f"{prefix}.fused_mlp=true cannot be combined with {key}: TE's op fuser runs the "
+                                 f"MLP's linears without calling their modules; set {prefix}.fused_mlp=false")  # fmt: skip
 
     def layout_shape(self) -> dict[str, Any]:
         """What a parallel layout must divide: the trained transformer's layers, heads, KV groups

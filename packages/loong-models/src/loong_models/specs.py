@@ -160,6 +160,7 @@ def _decoder_layer(config: TransformerConfig, provider: BackendSpecProvider, *, 
         num_experts=config.num_moe_experts if moe else None,
         moe_grouped_gemm=moe and config.moe_grouped_gemm,
         te_activation_func=config.use_te_activation_func,
+        te_op_fuser=uses_te_op_fuser(config) and not moe,
     )
     spec = layer_spec(provider, shape)
     return _dsa_layer(spec, provider) if uses_sparse_attention(config) else spec
@@ -222,6 +223,17 @@ class LayerShape:
     num_experts: int | None = None  # an MoE layer's routed experts; None: a dense MLP
     moe_grouped_gemm: bool = False
     te_activation_func: bool = False
+    te_op_fuser: bool = False  # a dense MLP as megatron's TEFusedMLP (TE's operation fuser)
+
+
+def uses_te_op_fuser(config: TransformerConfig) -> bool:
+    """Whether dense MLPs are TE's op-fuser MLP: asked for (``use_transformer_engine_op_fuser``,
+    model.fused_mlp) and SwiGLU. Other activations keep megatron's MLP: TE's op for ``F.gelu``
+    is its tanh approximation, and it has none for the rest."""
+    import torch.nn.functional as F
+
+    return bool(config.use_transformer_engine_op_fuser and config.gated_linear_unit
+                and config.activation_func is F.silu)  # fmt: skip
 
 
 # The keys a layer's norms and MLP checkpoint under, as megatron's GPT specs name them, so that
@@ -253,6 +265,7 @@ def layer_spec(provider: BackendSpecProvider, shape: LayerShape) -> ModuleSpec:
     mlp = get_mlp_module_spec_for_backend(
         provider, num_experts=shape.num_experts, moe_grouped_gemm=shape.moe_grouped_gemm,
         use_te_activation_func=shape.te_activation_func,
+        use_te_op_fuser=shape.te_op_fuser and fused and shape.num_experts is None,
     )  # fmt: skip
     sub = TransformerLayerSubmodules(
         input_layernorm=IdentityOp if fused and not mla else norm,
@@ -362,7 +375,9 @@ def _dsa_layer(spec: ModuleSpec, provider: BackendSpecProvider) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=sub)
 
 
-def fusion_fields(backend: str, *, bias_dropout_add: bool = True, bias_activation: bool = True) -> dict[str, bool]:
+def fusion_fields(
+    backend: str, *, bias_dropout_add: bool = True, bias_activation: bool = True, fused_mlp: bool = False
+) -> dict[str, bool]:
     """TransformerConfig switches for fused kernels that exist only with the TE backend
     (fused RoPE, SwiGLU, bias-dropout-add, wgrad accumulation into main_grad, fused CE), and the
     MoE experts' implementation: TE's grouped GEMM (TEGroupedMLP) with TE, else megatron's
@@ -372,9 +387,13 @@ def fusion_fields(backend: str, *, bias_dropout_add: bool = True, bias_activatio
     ``bias_dropout_add`` / ``bias_activation`` (``model.fuse_bias_dropout_add`` /
     ``model.fuse_bias_activation``): megatron's torch.compile'd elementwise fusions, each call of
     which pays Dynamo's guards, the AOT wrapper and a Triton launch on the host (~0.2 ms a call,
-    measured on an H100 host); off, the same math runs as eager ops."""
+    measured on an H100 host); off, the same math runs as eager ops.
+
+    ``fused_mlp`` (``model.fused_mlp``): megatron's ``use_transformer_engine_op_fuser``, which
+    :func:`layer_spec` reads for dense SwiGLU MLPs (TE's op-fuser MLP, :func:`uses_te_op_fuser`)."""
     on = backend == "te"
     return dict(
+        use_transformer_engine_op_fuser=on and fused_mlp,
         moe_grouped_gemm=on,
         apply_rope_fusion=on,
         bias_activation_fusion=on and bias_activation,
@@ -407,7 +426,7 @@ def vision_block_spec(
     rms = config.normalization == "RMSNorm"
     provider = spec_provider(backend)
     final_norm = provider.layer_norm(rms_norm=rms)  # TENorm takes the norm type from config.normalization
-    base = layer_spec(provider, LayerShape(rms_norm=rms))
+    base = layer_spec(provider, LayerShape(rms_norm=rms, te_op_fuser=uses_te_op_fuser(config)))
     attn = base.submodules.self_attention
     core = SDPAttention if attention == "sdpa" else attn.submodules.core_attention
     attn = dataclasses.replace(attn, params={**attn.params, "attn_mask_type": AttnMaskType.no_mask},

@@ -17,7 +17,7 @@ from loong_models import (
     packed_seq_params,
 )
 from loong_models.image_encoder import ImageEncoder, build_encoder_transformer_config
-from loong_models.image_encoder.vit import COMPILED_FUSIONS
+from loong_models.image_encoder.vit import FOLLOWED_FUSIONS
 from loong_models.image_projector import ImageProjector, build_projector_transformer_config
 
 
@@ -32,7 +32,7 @@ def build_vision(
     """Encoder (+ projector), fp32 on the CPU with the local backend by default (needs a megatron
     world)."""
     # the compiled fusions as the train app's foundation has them (the encoder follows its choice)
-    fused = {k: v for k, v in fusion_fields(backend).items() if k in COMPILED_FUSIONS}
+    fused = {k: v for k, v in fusion_fields(backend).items() if k in FOLLOWED_FUSIONS}
     base = build_transformer_config(
         FoundationConfig(),
         params_dtype=dtype,

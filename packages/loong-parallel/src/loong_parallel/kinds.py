@@ -103,7 +103,8 @@ class LanguageModel:
         return build_transformer_config(self.cfg.foundation,
                                         **runtime_transformer_fields(parallel, dtype=dtype, device_type=device_type),
                                         **fusion_fields(self.backend, bias_dropout_add=self.cfg.fuse_bias_dropout_add,
-                                                        bias_activation=self.cfg.fuse_bias_activation),
+                                                        bias_activation=self.cfg.fuse_bias_activation,
+                                                        fused_mlp=self.cfg.fused_mlp),
                                         **self._precision_fields(parallel),
                                         **attention_backend_fields(self.cfg.attention_backend))  # fmt: skip
 

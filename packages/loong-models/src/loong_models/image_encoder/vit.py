@@ -32,7 +32,8 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, appr
 # precision, initialisation); layout fields (TP size, sequence parallel, PP) are the component's own.
 RUNTIME_FIELDS = ("params_dtype", "pipeline_dtype", "bf16", "fp16", "use_cpu_initialization",
                   "perform_initialization", "deterministic_mode", "calculate_per_token_loss")  # fmt: skip
-COMPILED_FUSIONS = ("bias_dropout_fusion", "bias_activation_fusion")  # megatron's torch.compile'd ones
+# megatron's torch.compile'd fusions, and TE's op-fuser MLP (model.fused_mlp): the foundation's choice
+FOLLOWED_FUSIONS = ("bias_dropout_fusion", "bias_activation_fusion", "use_transformer_engine_op_fuser")
 
 
 def runtime_fields(
@@ -43,10 +44,10 @@ def runtime_fields(
     backend's fusions without RoPE fusion (TE's THD RoPE kernel restarts positions per segment,
     while 2-D / multimodal positions are given per token) and without the compiled elementwise
     fusions the foundation runs without (``model.fuse_bias_dropout_add`` / ``fuse_bias_activation``
-    switch both)."""
+    switch both); TE's op-fuser MLP where the foundation has it (``model.fused_mlp``)."""
     fields = {k: getattr(base, k) for k in RUNTIME_FIELDS}
-    fields.update(fusion_fields(backend), apply_rope_fusion=False)
-    for key in COMPILED_FUSIONS:
+    fields.update(fusion_fields(backend, fused_mlp=True), apply_rope_fusion=False)
+    for key in FOLLOWED_FUSIONS:  # each on only where the backend has it and the foundation chose it
         fields[key] = fields[key] and getattr(base, key)
     fields.update(tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=1,
                   sequence_parallel=False)  # fmt: skip
