@@ -94,8 +94,11 @@ def test_te_op_fuser_mlps_give_the_vlm_the_loss_and_gradients_of_megatrons_mlp(m
         (loss / count).backward()
         grads = {n: p.main_grad.clone() for n, p in chunk.module.named_parameters()}
         runs[fused] = (chunk.state_dict(), (loss / count).detach(), grads)
-    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-5)
     assert runs[True][2].keys() == runs[False][2].keys()
+    # each gradient's largest difference against the tensor's largest entry: 6.5e-4 at most as
+    # measured (one of the two paths runs its fp32 GEMMs in TF32; 6.9e-7 with NVIDIA_TF32_OVERRIDE=0)
     for name, grad in runs[False][2].items():
-        torch.testing.assert_close(runs[True][2][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        diff = (runs[True][2][name] - grad).abs().max() / grad.abs().max().clamp_min(1e-12)
+        assert diff < 3e-3, f"{name}: gradient differs by {diff:.2e} of its largest entry"
     assert any("mlp.linear_fc1" in n and g.abs().sum() > 0 for n, g in runs[True][2].items())
