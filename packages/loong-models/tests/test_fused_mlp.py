@@ -62,7 +62,25 @@ def test_a_backend_without_fused_norm_linears_keeps_megatrons_mlp():
     ],
     ids=["lora", "adaptive-fp8", "moe"],
 )
-def test_fused_mlp_refuses_what_works_through_the_mlps_linears(fields, key):
-    ModelConfig(**fields).validate()  # valid without fused_mlp
+def test_fused_mlp_refuses_what_works_through_the_mlps_linears_and_null_leaves_it_off(fields, key):
     with pytest.raises(ValueError, match=rf"^model\.fused_mlp=true cannot be combined with {key}:"):
         ModelConfig(fused_mlp=True, **fields).validate()
+    default = ModelConfig(**fields)
+    default.validate()
+    assert default.fused_mlp is None and not default.uses_fused_mlp()
+
+
+def test_fused_mlp_is_on_by_default_and_off_when_asked():
+    assert load_model_config("tiny-vlm").uses_fused_mlp()
+    assert not load_model_config("tiny-vlm", ["+fused_mlp=false"]).uses_fused_mlp()
+
+
+def test_an_encoder_at_its_own_tp_size_keeps_megatrons_mlp():
+    # megatron's TEFusedMLP takes its TP group from the global parallel state, not the module's
+    cfg = load_model_config("tiny-vlm", ["+fused_mlp=true"])
+    fields = {**fusion_fields("te", fused_mlp=True), "apply_rope_fusion": False}
+    base = build_transformer_config(cfg.foundation, params_dtype=torch.float32, tensor_model_parallel_size=2,
+                                    **fields)  # fmt: skip
+    own = build_encoder_transformer_config(cfg.image_encoder, base, tensor_model_parallel_size=1, backend="te")
+    same = build_encoder_transformer_config(cfg.image_encoder, base, tensor_model_parallel_size=2, backend="te")
+    assert (uses_te_op_fuser(own), uses_te_op_fuser(same)) == (False, True)

@@ -61,7 +61,8 @@ class ModelConfig:
     # TE's operation fuser over norm, fc1, bias, SwiGLU and fc2: TE's CUDA kernels for bias +
     # SwiGLU and its backward, no torch.compile'd fusion (no host guards) and no eager elementwise
     # ops. Same parameters and checkpoint keys as the plain MLP; other MLPs stay megatron's MLP.
-    fused_mlp: bool = False
+    # null (default): on unless something works through the MLP's linears (fused_mlp_conflicts).
+    fused_mlp: bool | None = None
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
     # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,
@@ -124,21 +125,28 @@ class ModelConfig:
             raise ValueError(f"{prefix}.image_projector.tensor_model_parallel_size={ptp}: the projector runs on "
                              f"the encoder's group; use null or the encoder's size ({etp})")  # fmt: skip
 
-    def _validate_fused_mlp(self, prefix: str) -> None:
-        """TE's op fuser runs fc1 and fc2 without calling their modules, so nothing that works
-        through those modules may be combined with it."""
-        if not self.fused_mlp:
-            return
+    def fused_mlp_conflicts(self, prefix: str = "model") -> list[str]:
+        """The keys that rule out TE's op-fuser MLP, which runs fc1 and fc2 without calling their
+        modules: LoRA adapters wrap those modules' forward, MoE experts have their own fused path,
+        adaptive FP8's per-module decisions are read by each linear's forward."""
         conflicts = {
-            f"{prefix}.lora": self.lora is not None,  # adapters wrap fc1 / fc2's forward
-            f"{prefix}.foundation.moe": self.foundation.moe is not None,  # experts have their own fused path
-            # per-module FP8 decisions are read by each linear's forward
+            f"{prefix}.lora": self.lora is not None,
+            f"{prefix}.foundation.moe": self.foundation.moe is not None,
             f"{prefix}.foundation.precision.fp8=adaptive": self.foundation.precision.fp8 == "adaptive",
         }
-        for key, conflict in conflicts.items():
-            if conflict:
-                raise ValueError(f"{prefix}.fused_mlp=true cannot be combined with {key}: TE's op fuser runs the "
-                                 f"MLP's linears without calling their modules; set {prefix}.fused_mlp=false")  # fmt: skip
+        return [key for key, conflict in conflicts.items() if conflict]
+
+    def uses_fused_mlp(self) -> bool:
+        """``fused_mlp``, with null resolved: on unless :meth:`fused_mlp_conflicts` names a key
+        (the layer backend decides whether TE builds the MLPs at all)."""
+        return self.fused_mlp if self.fused_mlp is not None else not self.fused_mlp_conflicts()
+
+    def _validate_fused_mlp(self, prefix: str) -> None:
+        conflicts = self.fused_mlp_conflicts(prefix) if self.fused_mlp else []
+        if conflicts:
+            raise ValueError(f"{prefix}.fused_mlp=true cannot be combined with {conflicts[0]}: TE's op fuser runs "
+                             f"the MLP's linears without calling their modules; set {prefix}.fused_mlp=false "
+                             "(or null: on where it applies)")  # fmt: skip
 
     def layout_shape(self) -> dict[str, Any]:
         """What a parallel layout must divide: the trained transformer's layers, heads, KV groups

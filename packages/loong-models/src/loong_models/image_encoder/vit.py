@@ -44,11 +44,15 @@ def runtime_fields(
     backend's fusions without RoPE fusion (TE's THD RoPE kernel restarts positions per segment,
     while 2-D / multimodal positions are given per token) and without the compiled elementwise
     fusions the foundation runs without (``model.fuse_bias_dropout_add`` / ``fuse_bias_activation``
-    switch both); TE's op-fuser MLP where the foundation has it (``model.fused_mlp``)."""
+    switch both); TE's op-fuser MLP where the foundation has it (``model.fused_mlp``) and the
+    encoder runs at the foundation's TP size: megatron's TEFusedMLP takes its TP group from the
+    global parallel state, not from the module."""
     fields = {k: getattr(base, k) for k in RUNTIME_FIELDS}
     fields.update(fusion_fields(backend, fused_mlp=True), apply_rope_fusion=False)
     for key in FOLLOWED_FUSIONS:  # each on only where the backend has it and the foundation chose it
         fields[key] = fields[key] and getattr(base, key)
+    own_tp = tensor_model_parallel_size != base.tensor_model_parallel_size
+    fields["use_transformer_engine_op_fuser"] = fields["use_transformer_engine_op_fuser"] and not own_tp
     fields.update(tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=1,
                   sequence_parallel=False)  # fmt: skip
     return fields
