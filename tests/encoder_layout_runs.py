@@ -77,7 +77,8 @@ def run(accel, batches: list[dict], *, layout: str, sp: bool, freeze: bool = Fal
     initialize_model_parallel(pcfg, dist.get_world_size())
     model_parallel_cuda_manual_seed(0)
     torch.manual_seed(0)
-    overrides = ["layer_backend=local", "image_encoder.tensor_model_parallel_size=1",
+    # two LLM layers (one per pipeline stage at PP 2): the layouts differ in where the encoder runs
+    overrides = ["layer_backend=local", "image_encoder.tensor_model_parallel_size=1", "foundation.num_layers=2",
                  *(["+image_encoder.freeze=true"] if freeze else [])]  # fmt: skip
     cfg = load_model_config("tiny-vlm", overrides)
     tconfig = build_transformer_config(cfg.foundation, **fusion_fields("local"),
