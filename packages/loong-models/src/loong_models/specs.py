@@ -160,7 +160,7 @@ def _decoder_layer(config: TransformerConfig, provider: BackendSpecProvider, *, 
         num_experts=config.num_moe_experts if moe else None,
         moe_grouped_gemm=moe and config.moe_grouped_gemm,
         te_activation_func=config.use_te_activation_func,
-        te_op_fuser=uses_te_op_fuser(config) and not moe,
+        te_op_fuser=uses_te_op_fuser(config),  # layer_spec applies it to dense MLPs only
     )
     spec = layer_spec(provider, shape)
     return _dsa_layer(spec, provider) if uses_sparse_attention(config) else spec
