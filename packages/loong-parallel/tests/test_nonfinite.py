@@ -26,8 +26,10 @@ def _poisoned_loss(per_token: torch.Tensor, poison: str | None):
         s = s * float("nan")
     elif poison == "grad":  # the loss stays finite, d/dx sqrt(x) at 0 is inf, times 0 is NaN
         s = s + 0.0 * torch.sqrt(s - s.detach())
+    # "reported": the gradients stay finite and only the loss the step reports is NaN
     n = torch.tensor(float(per_token.numel()))
-    return s, n.int(), {LOSS_KEY: torch.stack([s.detach(), n])}
+    reported = s.detach() * float("nan") if poison == "reported" else s.detach()
+    return s, n.int(), {LOSS_KEY: torch.stack([reported, n])}
 
 
 def _forward_step(poison: str | None):
@@ -64,16 +66,20 @@ def _weights(chunks) -> list[torch.Tensor]:
     return [p.detach().clone() for c in chunks for p in c.parameters()]
 
 
-@pytest.mark.parametrize("poison", ["loss", "grad"])
+@pytest.mark.parametrize("poison", ["loss", "grad", "reported"])
 def test_a_non_finite_step_changes_nothing_and_the_next_one_trains(setup, poison):
     chunks, optimizer, scheduler = setup
     assert not _step(setup, None).skipped
     before, steps_before = _weights(chunks), scheduler.num_steps
     bad = _step(setup, poison)
-    assert bad.skipped and bad.nonfinite
+    assert bad.skipped and bad.nonfinite and (bad.loss != bad.loss) == (poison != "grad")
     # a NaN gradient with a finite loss is caught by the optimizer's own gradient norm (no second
-    # pass over the gradients), whose wrappers are gone after the step
-    assert poison == "loss" or (bad.grad_norm is not None and bad.grad_norm != bad.grad_norm)
+    # pass over the gradients), whose wrappers are gone after the step; the loss is read with that
+    # norm, so a NaN loss alone (finite gradients) also leaves the weights alone
+    if poison == "grad":
+        assert bad.grad_norm is not None and bad.grad_norm != bad.grad_norm
+    if poison == "reported":
+        assert bad.grad_norm is not None and bad.grad_norm == bad.grad_norm
     assert not [key for key in vars(optimizer) if key.startswith("_loong")]
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(chunks))), "a skipped step changed the weights"
     assert scheduler.num_steps == steps_before, "a skipped step advanced the LR schedule"

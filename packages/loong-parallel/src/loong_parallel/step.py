@@ -72,17 +72,26 @@ def _time_compute(synchronize: Callable[[], None], out: dict) -> Callable[[], No
     return note
 
 
-def _global_loss(per_microbatch: list[dict], device: torch.device) -> tuple[float, int]:
-    """Sum (loss_sum, count) over micro-batches and over all ranks that computed a loss (last
-    pipeline stage, TP rank 0 of each DP replica), so every rank returns the global mean."""
+def _loss_totals(per_microbatch: list[dict], device: torch.device) -> torch.Tensor:
+    """[loss_sum, count] summed over micro-batches and over all ranks that computed a loss (last
+    pipeline stage, TP rank 0 of each DP replica), on the device: the same on every rank."""
     total = torch.zeros(2, dtype=torch.float64, device=device)
     counts_here = mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
     if counts_here:
         for out in per_microbatch:
             total += out[LOSS_KEY].to(total)
     dist.all_reduce(total)
-    loss_sum, count = total.tolist()
+    return total
+
+
+def _mean_loss(totals: list[float]) -> tuple[float, int]:
+    loss_sum, count = totals
     return loss_sum / max(count, 1.0), int(count)
+
+
+def _global_loss(per_microbatch: list[dict], device: torch.device) -> tuple[float, int]:
+    """The global token-weighted mean loss and its token count (read on the host)."""
+    return _mean_loss(_loss_totals(per_microbatch, device).tolist())
 
 
 def schedule_for(chunks: list[torch.nn.Module], schedule: Callable | None = None) -> Callable:
@@ -136,20 +145,24 @@ def train_step(
             **_schedule_kwargs(num_microbatches, seq_length, micro_batch_size),
         )
     lr = optimizer.param_groups[0]["lr"]  # the rate of this step (the scheduler then sets the next one)
-    loss, count = _global_loss(outputs, device)
+    totals = _loss_totals(outputs, device)
     # never let NaN / Inf into the weights or the optimizer's moments
-    guarded = _norm_guards_update(optimizer, chunks)
-    nonfinite = not math.isfinite(loss) or (not guarded and not _grads_finite(chunks, device))
-    ok, grad_norm = False, None
-    if not nonfinite:
-        if guarded:  # the update runs only if megatron's norm is finite (loong_xpu's patch)
-            # the norm is read on the host before the update is queued: reading megatron's device
-            # tensor after the step would wait for the whole update
-            ok, grad_norm = step_unless_nonfinite(optimizer)
-        else:
+    if _norm_guards_update(optimizer, chunks):
+        # the update runs only if megatron's norm and the loss are finite (loong_xpu's patch). Both
+        # are read on the host in one read, as the norm is computed and before the update is
+        # queued: no host sync between the backward and the optimizer's own work (which would
+        # leave the device idle while the host prepares it), and no wait for the update itself.
+        ok, grad_norm, read = step_unless_nonfinite(optimizer, watch=totals)
+        loss, count = _mean_loss(read)
+        nonfinite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+    else:
+        loss, count = _mean_loss(totals.tolist())
+        nonfinite = not math.isfinite(loss) or not _grads_finite(chunks, device)
+        ok, grad_norm = False, None
+        if not nonfinite:
             ok, grad_norm, _ = optimizer.step()
             grad_norm = float(grad_norm) if grad_norm is not None else None
-        nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
+            nonfinite = grad_norm is not None and not math.isfinite(grad_norm)
     if ok:
         scheduler.step(increment=1)
     return StepResult(loss, count, grad_norm, lr, not ok, timing.get("compute_s"), nonfinite)
