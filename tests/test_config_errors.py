@@ -235,3 +235,22 @@ def test_the_fused_output_loss_names_what_it_cannot_combine_with():
                  world_size=1)  # fmt: skip
     with pytest.raises(ValidationError, match="output_loss"):  # the choices are named by OmegaConf
         to_config(compose_config("++model.foundation.output_loss=logits"))
+
+
+def test_the_fused_qkv_rope_names_what_it_cannot_combine_with():
+    """model.fused_qkv_rope: megatron's one-kernel RoPE on the fused QKV output takes plain 1-D RoPE
+    on whole sequences of unnormalised queries and keys."""
+    on = "++model.fused_qkv_rope=true"
+    validate(to_config(compose_config(on)), world_size=1)
+    for overrides, what in (
+        (["data.packing=thd"], "data.packing=thd"),
+        (["parallel.cp=2", "data.seq_length=256"], "parallel.cp=2"),
+        (["parallel.chunkpipe.chunk_size=64", "train.micro_batch_size=1", "train.global_batch_size=2"],
+         "parallel.chunkpipe.chunk_size"),
+    ):
+        with pytest.raises(ConfigError, match=rf"model.fused_qkv_rope=true cannot be combined with {what}: "):
+            validate(to_config(compose_config(on, *overrides)), world_size=2)
+    for model, what in (("qwen3-0.6b", r"model.foundation.family=qwen3 \(QK norms\)"),
+                        ("deepseek-v3-tiny", "model.foundation.mla"), ("tiny-vlm", "model.foundation.mrope_section")):
+        with pytest.raises((ConfigError, ValueError), match=rf"model.fused_qkv_rope=true cannot be combined with {what}"):
+            validate(to_config(compose_config(on, f"model={model}")), world_size=1)

@@ -131,7 +131,19 @@ def _cross_package_errors(cfg: Config) -> list[str]:
                       "diffusion model (e.g. model=wan-tiny) trains on data.kind=diffusion, and only it does")  # fmt: skip
     return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
             + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg) + cuda_graph_conflicts(p, cfg.model, d.packing)
-            + wgrad_fusion_conflicts(p, cfg.model) + output_loss_conflicts(p, cfg.model))
+            + wgrad_fusion_conflicts(p, cfg.model) + output_loss_conflicts(p, cfg.model) + _fused_qkv_rope_errors(cfg))
+
+
+def _fused_qkv_rope_errors(cfg: Config) -> list[str]:
+    """Megatron's fused QKV RoPE takes whole (not packed) sequences on one rank's attention."""
+    if not cfg.model.fused_qkv_rope:
+        return []
+    d, p = cfg.data, cfg.parallel
+    conflicts = {"data.packing=thd": d.packing == "thd", f"parallel.cp={p.cp}": p.cp > 1,
+                 "parallel.chunkpipe.chunk_size": p.chunkpipe.chunk_size is not None}  # fmt: skip
+    return [f"model.fused_qkv_rope=true cannot be combined with {key}: megatron's fused QKV RoPE applies to "
+            "whole sequences (no packed documents, context parallelism or ChunkPipe); set "
+            "model.fused_qkv_rope=false" for key, conflict in conflicts.items() if conflict][:1]  # fmt: skip
 
 
 

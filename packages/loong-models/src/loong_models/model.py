@@ -19,7 +19,7 @@ from loong_models.diffusion import FlowMatchingConfig, WanConfig, WanModel, buil
 from loong_models.diffusion.towers import TextEncoderConfig, VaeConfig
 from loong_models.embodied.pi05 import Pi05Config
 from loong_models.flops import Work
-from loong_models.foundation import FoundationConfig, build_foundation
+from loong_models.foundation import FoundationConfig, build_foundation, get_family
 from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
 from loong_models.image_projector import (
     ImageProjector,
@@ -63,6 +63,10 @@ class ModelConfig:
     # ops. Same parameters and checkpoint keys as the plain MLP; other MLPs stay megatron's MLP.
     # null (default): on unless something works through the MLP's linears (fused_mlp_conflicts).
     fused_mlp: bool | None = None
+    # With TE layers: RoPE applied to the fused QKV projection's output in one TE kernel (megatron's
+    # fused_single_qkv_rope): no split of Q, K, V before RoPE and no concatenation of their
+    # gradients after. Not with packed (THD) sequences, QK norms, MLA or multimodal RoPE.
+    fused_qkv_rope: bool = False
     # Low-rank adapters (null = off): freezes the adapted components' base weights.
     lora: LoraConfig | None = None
     # An embodied policy (model=pi05, pi05-tiny): a plain nn.Module built by loong_models.embodied,
@@ -100,6 +104,7 @@ class ModelConfig:
             return
         self.foundation.validate(f"{prefix}.foundation")
         self._validate_fused_mlp(prefix)
+        self._validate_fused_qkv_rope(prefix)
         if (self.image_encoder is None) != (self.image_projector is None):
             raise ValueError(f"{prefix}.image_encoder and {prefix}.image_projector must both be set (a VLM) "
                              "or both be null (a text-only model)")  # fmt: skip
@@ -147,6 +152,24 @@ class ModelConfig:
             raise ValueError(f"{prefix}.fused_mlp=true cannot be combined with {conflicts[0]}: TE's op fuser runs "
                              f"the MLP's linears without calling their modules; set {prefix}.fused_mlp=false "
                              "(or null: on where it applies)")  # fmt: skip
+
+    def _validate_fused_qkv_rope(self, prefix: str) -> None:
+        """Megatron applies the fused QKV RoPE only to plain 1-D RoPE on an unnormalised Q and K
+        (and asserts inside the forward otherwise): refuse the rest here, naming the key."""
+        if not self.fused_qkv_rope:
+            return
+        f = self.foundation
+        conflicts = {
+            f"{prefix}.foundation.mla": f.mla is not None,
+            f"{prefix}.foundation.mrope_section": f.mrope_section is not None,
+            f"{prefix}.foundation.family={f.family} (QK norms)": get_family(f.family).qk_norm,
+            f"{prefix}.foundation.extra.attention_output_gate": bool(f.extra.get("attention_output_gate")),
+        }
+        conflicts = [key for key, conflict in conflicts.items() if conflict]
+        if conflicts:
+            raise ValueError(f"{prefix}.fused_qkv_rope=true cannot be combined with {conflicts[0]}: megatron's "
+                             "fused QKV RoPE takes plain 1-D RoPE on unnormalised, ungated queries and keys; "
+                             f"set {prefix}.fused_qkv_rope=false")  # fmt: skip
 
     def layout_shape(self) -> dict[str, Any]:
         """What a parallel layout must divide: the trained transformer's layers, heads, KV groups

@@ -376,7 +376,8 @@ def _dsa_layer(spec: ModuleSpec, provider: BackendSpecProvider) -> ModuleSpec:
 
 
 def fusion_fields(
-    backend: str, *, bias_dropout_add: bool = True, bias_activation: bool = True, fused_mlp: bool = False
+    backend: str, *, bias_dropout_add: bool = True, bias_activation: bool = True, fused_mlp: bool = False,
+    fused_qkv_rope: bool = False,
 ) -> dict[str, bool]:
     """TransformerConfig switches for fused kernels that exist only with the TE backend
     (fused RoPE, SwiGLU, bias-dropout-add, wgrad accumulation into main_grad, fused CE), and the
@@ -396,6 +397,7 @@ def fusion_fields(
         use_transformer_engine_op_fuser=on and fused_mlp,
         moe_grouped_gemm=on,
         apply_rope_fusion=on,
+        fused_single_qkv_rope=on and fused_qkv_rope,
         bias_activation_fusion=on and bias_activation,
         bias_dropout_fusion=on and bias_dropout_add,
         masked_softmax_fusion=False,  # unused: attention is TE's or SDPA

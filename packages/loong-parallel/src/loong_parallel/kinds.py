@@ -104,7 +104,8 @@ class LanguageModel:
                                         **runtime_transformer_fields(parallel, dtype=dtype, device_type=device_type),
                                         **fusion_fields(self.backend, bias_dropout_add=self.cfg.fuse_bias_dropout_add,
                                                         bias_activation=self.cfg.fuse_bias_activation,
-                                                        fused_mlp=self.cfg.uses_fused_mlp()),
+                                                        fused_mlp=self.cfg.uses_fused_mlp(),
+                                                        fused_qkv_rope=self.cfg.fused_qkv_rope),
                                         **self._precision_fields(parallel),
                                         **attention_backend_fields(self.cfg.attention_backend))  # fmt: skip
 
