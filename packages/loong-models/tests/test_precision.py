@@ -181,6 +181,18 @@ def test_fp8_on_sets_megatrons_global_recipe_without_per_module_overrides():
     assert precision_fields(PrecisionConfig(), None, gemms=["qkv"], tp=1, tokens=8, prefix="m") == {}
 
 
+def test_adaptive_where_fp8_wins_nowhere_is_plain_bf16_without_megatrons_fp8_recipe(policy_file, caplog):
+    caplog.set_level(logging.INFO, logger="loong_models")
+    pcfg = PrecisionConfig(fp8="adaptive", recipe="blockwise", policy=str(policy_file))
+    policy = load_policy(policy_file)
+    # 512 tokens: below every threshold of the policy (fc1 wins from 1024)
+    assert precision_fields(pcfg, policy, gemms=["qkv", "proj", "fc1", "fc2"], tp=1, tokens=512, prefix="m") == {}
+    assert "m.precision: FP8 wins for no GEMM kind at these shapes: the component runs in BF16" in caplog.text
+    assert "adaptive FP8 at tp=1" in caplog.text  # the decision table still says why
+    one_wins = precision_fields(pcfg, policy, gemms=["qkv", "proj", "fc1", "fc2"], tp=1, tokens=1024, prefix="m")
+    assert one_wins["fp8_recipe"] == "blockwise" and "quant_recipe" in one_wins
+
+
 def test_the_decision_table_is_logged_with_each_gemm_kind(policy_file, caplog):
     caplog.set_level(logging.INFO, logger="loong_models")
     pcfg = PrecisionConfig(fp8="adaptive", recipe="blockwise", policy=str(policy_file))

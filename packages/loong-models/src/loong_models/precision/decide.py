@@ -98,7 +98,8 @@ def format_table(decisions: dict[str, Decision], *, tp: int, prefix: str) -> str
 def precision_fields(pcfg: PrecisionConfig, policy: Fp8Policy | None, *, gemms: list[str], tp: int, tokens: int,
                      router_topk: int = 1, prefix: str) -> dict:  # fmt: skip
     """TransformerConfig fields for ``pcfg``: megatron's global FP8 recipe, and for adaptive the
-    per-module ``quant_recipe`` (its decision table logged). ``gemms``: the model's GEMM kinds."""
+    per-module ``quant_recipe`` (its decision table logged), or no FP8 field at all where the
+    policy decides BF16 for every GEMM kind. ``gemms``: the model's GEMM kinds."""
     if pcfg.fp8 == FP8Mode.off:
         return {}
     from megatron.core.enums import Fp8Recipe
@@ -116,6 +117,11 @@ def precision_fields(pcfg: PrecisionConfig, policy: Fp8Policy | None, *, gemms: 
         logger.warning("%s.precision.policy=%s has no rule for GEMM kinds %s at tp=%d: they run in BF16",
                        prefix, policy.path, missing, tp)  # fmt: skip
     logger.info(format_table(decisions, tp=tp, prefix=prefix))
+    if not any(d.fp8 for d in decisions.values()):
+        # no FP8 recipe at all rather than one that every module overrides: no FP8 autocast per
+        # layer, so adaptive costs nothing where FP8 wins nowhere (small GEMMs, high TP)
+        logger.info("%s.precision: FP8 wins for no GEMM kind at these shapes: the component runs in BF16", prefix)
+        return {}
     return {**fields, "quant_recipe": RecipeConfig.from_config_dict(quant_recipe_dict(decisions, pcfg.recipe))}
 
 
