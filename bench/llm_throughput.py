@@ -15,12 +15,16 @@ after warm-up.
     python bench/llm_throughput.py --hf-modes --variants base= graphs=++parallel.cuda_graphs=local  # CUDA graphs
     python bench/llm_throughput.py --mbs 4 --hf-modes bf16 --variants megatron= fused=++model.foundation.output_loss=fused
     python bench/llm_throughput.py --model llama3.1-8b --model-override foundation.num_layers=4 --seq 8192 --hf-modes
+    python bench/llm_throughput.py --nproc 4 --tp 4 --model llama3.1-8b --model-override foundation.num_layers=4 \
+        --seq 1024 --mbs 1 --hf-modes --variants bf16= adaptive=...   # TP=4 (+ SP) over 4 GPUs, torchrun
 
 ``--variants label=override,override ...`` runs Loong once per variant (same batches), on top of
 ``--loong-extra`` (a variant that fails, e.g. out of memory, is reported as failed and the others
 still run); ``--model-override`` changes the model of every run (Loong, HF, the FLOP count).
 
-MFU = (6 N + 6 L h s) * tokens/s / peak (989 TFLOP/s bf16 on H100/H200), N = parameters.
+MFU = (6 N + 6 L h s) * tokens/s / peak (989 TFLOP/s bf16 on H100/H200), N = parameters; with
+``--nproc`` > 1 (Loong only: torchrun, TP = ``--tp`` with sequence parallelism, DP = the rest) the
+tokens are the whole step's and MFU is per GPU.
 """
 
 from __future__ import annotations
@@ -58,18 +62,31 @@ def parse_variants(specs: list[str]) -> list[tuple[str, list[str]]]:
     return variants
 
 
-def run_loong(args, out: Path, variant: list[str]) -> tuple[list[float], float]:
+def loong_command(args, out: Path, variant: list[str]) -> list[str]:
+    """The train-app command of one Loong run (torchrun over ``--nproc`` processes when > 1)."""
     model_overrides = [o if o.startswith(("+", "~")) else f"model.{o}" for o in args.model_override]
-    cmd = [
-        sys.executable, "-m", "loong_train", f"model={args.model}", f"data.seq_length={args.seq}",
-        f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={args.mbs}", f"train.steps={args.steps}",
+    launch = [sys.executable] if args.nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]  # fmt: skip
+    layout = [] if args.tp == 1 else [f"parallel.tp={args.tp}", "parallel.sequence_parallel=true"]
+    return [
+        *launch, "-m", "loong_train", f"model={args.model}", f"data.seq_length={args.seq}", *layout,
+        f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={args.mbs * dp_size(args)}",
+        f"train.steps={args.steps}",
         "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false", "train.progress=false",
         f"train.output_dir={out}", f"data.cache_dir={out}/data", "optim.lr=3e-4", "optim.min_lr=3e-5",
         f"optim.warmup_steps={args.warmup}", "train.dtype=bf16", *model_overrides, *args.loong_extra, *variant,
     ]  # fmt: skip
-    print("loong:", " ".join(cmd[2:]), flush=True)
+
+
+def run_loong(args, out: Path, variant: list[str]) -> tuple[list[float], float]:
+    cmd = loong_command(args, out, variant)
+    print("loong:", " ".join(cmd[cmd.index("loong_train") + 1 :]), flush=True)
     train = run_train_app(cmd, out, label="loong run")
     return [r["step_time_s"] for r in train if r["step"] > args.warmup], max(r["peak_mem_gib"] for r in train)
+
+
+def dp_size(args) -> int:
+    return args.nproc // args.tp
 
 
 def hf_worker(args) -> None:
@@ -143,7 +160,7 @@ def run_hf(args, mode: str, workdir: str) -> tuple[list[float], float]:
     return result["step_times"], result["peak_gib"]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3.2-1b")
     p.add_argument("--seq", type=int, default=4096)
@@ -157,15 +174,25 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=["loong="],
                    help="Loong runs: label=override,override (label= : no extra overrides)")
     p.add_argument("--model-override", nargs="*", default=[], help="model overrides, e.g. foundation.num_layers=4")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs of each Loong run (torchrun when > 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Loong runs (with sequence parallelism)")
     p.add_argument("--worker", choices=["hf"], help=argparse.SUPPRESS)
     p.add_argument("--hf-mode", default="amp", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.nproc < 1 or args.tp < 1 or args.nproc % args.tp:
+        p.error(f"--tp {args.tp} must divide --nproc {args.nproc} (both >= 1)")
+    if args.nproc > 1 and args.hf_modes:
+        p.error("HF transformers runs on one GPU here: with --nproc > 1 pass --hf-modes with no value")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker == "hf":
         return hf_worker(args)
-
     f = foundation(args.model, args.model_override)
-    tokens_per_step = args.mbs * args.seq
+    tokens_per_step = args.mbs * args.seq * dp_size(args)
     fpt = f.flops_per_token(args.seq)  # the model's own count (loong-models)
     rows, loong_rows, failed = [], 0, []
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,13 +219,14 @@ def main() -> None:
     import torch
 
     print(f"\n{args.model} {' '.join(args.model_override)}: {f.num_parameters() / 1e9:.3f}B params, seq {args.seq}, "
-          f"micro-batch {args.mbs}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
+          f"micro-batch {args.mbs}, {args.nproc} x {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
+          f"{f' (TP {args.tp}, DP {dp_size(args)}; MFU per GPU)' if args.nproc > 1 else ''}, "
           f"median of {args.steps - args.warmup} steps after {args.warmup} warm-up")  # fmt: skip
     print(f"{'stack':<60} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
     for name, step, peak in rows:
         tps = tokens_per_step / step
         peak_s = f"{peak:9.1f}" if peak is not None else f"{'-':>9}"
-        print(f"{name:<60} {step:8.3f} {tps:10,.0f} {fpt * tps / PEAK:6.3f} {peak_s}")
+        print(f"{name:<60} {step:8.3f} {tps:10,.0f} {fpt * tps / (PEAK * args.nproc):6.3f} {peak_s}")
     for name in failed:
         print(f"{name:<60} {'failed (see its stderr above)':>36}")
     if loong_rows and len(rows) > loong_rows:  # each Loong run against the first HF run
