@@ -73,7 +73,7 @@ def loong_command(args, out: Path, variant: list[str]) -> list[str]:
         f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={args.mbs * dp_size(args)}",
         f"train.steps={args.steps}",
         "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false", "train.progress=false",
-        f"train.output_dir={out}", f"data.cache_dir={out}/data", "optim.lr=3e-4", "optim.min_lr=3e-5",
+        f"train.output_dir={out}", f"data.cache_dir={out.parent}/loong-data", "optim.lr=3e-4", "optim.min_lr=3e-5",
         f"optim.warmup_steps={args.warmup}", "train.dtype=bf16", *model_overrides, *args.loong_extra, *variant,
     ]  # fmt: skip
 
@@ -87,6 +87,13 @@ def run_loong(args, out: Path, variant: list[str]) -> tuple[list[float], float]:
 
 def dp_size(args) -> int:
     return args.nproc // args.tp
+
+
+def row_text(args, flops_per_token: float, name: str, step_s: float, peak_gib: float | None) -> str:
+    """One table row: median step, tokens/s of the whole step, MFU per GPU, peak memory."""
+    tps = args.mbs * args.seq * dp_size(args) / step_s
+    peak = f"{peak_gib:9.1f}" if peak_gib is not None else f"{'-':>9}"
+    return f"{name:<60} {step_s:8.3f} {tps:10,.0f} {flops_per_token * tps / (PEAK * args.nproc):6.3f} {peak}"
 
 
 def hf_worker(args) -> None:
@@ -192,7 +199,6 @@ def main() -> None:
     if args.worker == "hf":
         return hf_worker(args)
     f = foundation(args.model, args.model_override)
-    tokens_per_step = args.mbs * args.seq * dp_size(args)
     fpt = f.flops_per_token(args.seq)  # the model's own count (loong-models)
     rows, loong_rows, failed = [], 0, []
     with tempfile.TemporaryDirectory() as tmp:
@@ -207,6 +213,7 @@ def main() -> None:
                     continue
                 rows.append((name, statistics.median(times), peak))
                 loong_rows += 1
+                print("  " + row_text(args, fpt, *rows[-1]), flush=True)  # a run cut short keeps what finished
         for mode in args.hf_modes:
             name = f"hf transformers ({mode}, sdpa)"
             try:
@@ -216,6 +223,7 @@ def main() -> None:
                 failed.append(name)
                 continue
             rows.append((name, statistics.median(times), peak))
+            print("  " + row_text(args, fpt, *rows[-1]), flush=True)
     import torch
 
     print(f"\n{args.model} {' '.join(args.model_override)}: {f.num_parameters() / 1e9:.3f}B params, seq {args.seq}, "
@@ -223,10 +231,8 @@ def main() -> None:
           f"{f' (TP {args.tp}, DP {dp_size(args)}; MFU per GPU)' if args.nproc > 1 else ''}, "
           f"median of {args.steps - args.warmup} steps after {args.warmup} warm-up")  # fmt: skip
     print(f"{'stack':<60} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
-    for name, step, peak in rows:
-        tps = tokens_per_step / step
-        peak_s = f"{peak:9.1f}" if peak is not None else f"{'-':>9}"
-        print(f"{name:<60} {step:8.3f} {tps:10,.0f} {fpt * tps / (PEAK * args.nproc):6.3f} {peak_s}")
+    for row in rows:
+        print(row_text(args, fpt, *row))
     for name in failed:
         print(f"{name:<60} {'failed (see its stderr above)':>36}")
     if loong_rows and len(rows) > loong_rows:  # each Loong run against the first HF run

@@ -125,11 +125,11 @@ def run_variant(args, variant: str, workdir: Path, f) -> Result:
     tps = args.mbs * args.microbatches * args.gpus * args.seq / step_s / args.gpus
     imbalance = statistics.mean(r.get("moe_load_imbalance", float("nan")) for r in train)
     first = [round(r.get("moe_load_imbalance", float("nan")), 2) for r in rows[:3]]
-    print(
-        f"   median step {step_s:.3f}s, load imbalance (max/mean) {imbalance:.2f} (first steps {first})",
-        flush=True,
-    )
-    return Result(variant, step_s, tps, mfu(f, args.seq, tps), max(r["peak_mem_gib"] for r in train))
+    peak = max(r["peak_mem_gib"] for r in train)
+    # printed as each variant ends: a run cut short by a time limit keeps the variants that finished
+    print(f"   median step {step_s:.3f}s, {tps:,.0f} tokens/s/GPU, peak {peak:.2f} GiB (rank 0), "
+          f"load imbalance (max/mean) {imbalance:.2f} (first steps {first})", flush=True)  # fmt: skip
+    return Result(variant, step_s, tps, mfu(f, args.seq, tps), peak)
 
 
 def table(args, f, results: list[Result]) -> str:
