@@ -130,21 +130,27 @@ class ModelConfig:
             raise ValueError(f"{prefix}.image_projector.tensor_model_parallel_size={ptp}: the projector runs on "
                              f"the encoder's group; use null or the encoder's size ({etp})")  # fmt: skip
 
-    def fused_mlp_conflicts(self, prefix: str = "model") -> list[str]:
+    def fused_mlp_conflicts(self, prefix: str = "model", *, adaptive_runs_fp8: bool = True) -> list[str]:
         """The keys that rule out TE's op-fuser MLP, which runs fc1 and fc2 without calling their
         modules: LoRA adapters wrap those modules' forward, MoE experts have their own fused path,
-        adaptive FP8's per-module decisions are read by each linear's forward."""
+        adaptive FP8's per-module decisions are read by each linear's forward (unless
+        ``adaptive_runs_fp8`` is False: the policy decided BF16 everywhere, nothing reads them)."""
         conflicts = {
             f"{prefix}.lora": self.lora is not None,
             f"{prefix}.foundation.moe": self.foundation.moe is not None,
-            f"{prefix}.foundation.precision.fp8=adaptive": self.foundation.precision.fp8 == "adaptive",
+            f"{prefix}.foundation.precision.fp8=adaptive": self.foundation.precision.fp8 == "adaptive"
+            and adaptive_runs_fp8,
         }
         return [key for key, conflict in conflicts.items() if conflict]
 
-    def uses_fused_mlp(self) -> bool:
+    def uses_fused_mlp(self, *, adaptive_runs_fp8: bool = True) -> bool:
         """``fused_mlp``, with null resolved: on unless :meth:`fused_mlp_conflicts` names a key
-        (the layer backend decides whether TE builds the MLPs at all)."""
-        return self.fused_mlp if self.fused_mlp is not None else not self.fused_mlp_conflicts()
+        (the layer backend decides whether TE builds the MLPs at all). ``adaptive_runs_fp8=False``
+        once an adaptive policy turned out to pick BF16 for every GEMM kind: the model is then the
+        plain BF16 one, op-fuser MLP included."""
+        if self.fused_mlp is not None:
+            return self.fused_mlp
+        return not self.fused_mlp_conflicts(adaptive_runs_fp8=adaptive_runs_fp8)
 
     def _validate_fused_mlp(self, prefix: str) -> None:
         conflicts = self.fused_mlp_conflicts(prefix) if self.fused_mlp else []

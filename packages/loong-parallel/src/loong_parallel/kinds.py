@@ -100,14 +100,20 @@ class LanguageModel:
                            ) -> TransformerConfig:  # fmt: skip
         """The foundation's config; the layout and layer backend decide the rest (CUDA-only
         options, grouped-GEMM experts)."""
+        fused_mlp, precision = self.mlp_and_precision(parallel)
         return build_transformer_config(self.cfg.foundation,
                                         **runtime_transformer_fields(parallel, dtype=dtype, device_type=device_type),
                                         **fusion_fields(self.backend, bias_dropout_add=self.cfg.fuse_bias_dropout_add,
                                                         bias_activation=self.cfg.fuse_bias_activation,
-                                                        fused_mlp=self.cfg.uses_fused_mlp(),
-                                                        fused_qkv_rope=self.cfg.fused_qkv_rope),
-                                        **self._precision_fields(parallel),
-                                        **attention_backend_fields(self.cfg.attention_backend))  # fmt: skip
+                                                        fused_mlp=fused_mlp, fused_qkv_rope=self.cfg.fused_qkv_rope),
+                                        **precision, **attention_backend_fields(self.cfg.attention_backend))  # fmt: skip
+
+    def mlp_and_precision(self, parallel: ParallelConfig) -> tuple[bool, dict]:
+        """Whether the MLPs may be TE's op fuser (``model.fused_mlp``), and the FP8 fields. Decided
+        together: adaptive FP8 whose policy picks BF16 for every GEMM kind sets no FP8 field, and
+        then the model is the BF16 default one, op-fuser MLP included (adaptive is never slower)."""
+        precision = self._precision_fields(parallel)
+        return self.cfg.uses_fused_mlp(adaptive_runs_fp8=bool(precision)), precision
 
     def _precision_fields(self, parallel: ParallelConfig) -> dict:
         """The foundation's FP8 fields; adaptive decides per GEMM kind at this run's TP size and tokens."""
