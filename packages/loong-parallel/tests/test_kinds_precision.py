@@ -30,6 +30,8 @@ def adaptive_model(tmp_path, tokens: int, *extra: str) -> LanguageModel:
 def test_adaptive_fp8_that_wins_nowhere_is_the_bf16_default_model_op_fuser_mlp_included(tmp_path):
     fused_mlp, precision = adaptive_model(tmp_path, 1024).mlp_and_precision(ParallelConfig())
     assert precision == {} and fused_mlp
+    bf16 = LanguageModel(load_model_config("tiny"), backend="te", tokens_per_microbatch=1024)
+    assert bf16.mlp_and_precision(ParallelConfig()) == (fused_mlp, precision)
 
 
 def test_adaptive_fp8_that_wins_somewhere_keeps_megatrons_mlp_for_the_per_module_decisions(tmp_path):
