@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import loong_parallel.context_parallel as cp_rules
+import loong_parallel.runtime as runtime_rules
 from loong_ckpt.run_dir import ResumeSchedule
 from loong_data.step_data import DataConfig, PatchGeometry
 from loong_models import ModelConfig
-from loong_models.foundation import MoEConfig
 from loong_parallel import OptimConfig, ParallelConfig, ProfileConfig
 from loong_parallel.context_parallel import context_parallel_conflicts
 from loong_parallel.encoder_layout import encoder_layout_errors
-from loong_parallel.runtime import cuda_graph_conflicts, output_loss_conflicts, wgrad_fusion_conflicts
 
 
 class DType(StrEnum):
@@ -130,21 +129,14 @@ def _cross_package_errors(cfg: Config) -> list[str]:
         errors.append(f"data.kind={d.kind} with model.diffusion={'set' if cfg.model.is_diffusion else 'null'}: a "
                       "diffusion model (e.g. model=wan-tiny) trains on data.kind=diffusion, and only it does")  # fmt: skip
     return (errors + _balance_errors(cfg) + encoder_layout_errors(p.encoder_layout, cfg.model, p.tp)
-            + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg) + cuda_graph_conflicts(p, cfg.model, d.packing)
-            + wgrad_fusion_conflicts(p, cfg.model) + output_loss_conflicts(p, cfg.model) + _fused_qkv_rope_errors(cfg))
+            + _context_parallel_errors(cfg) + _chunkpipe_errors(cfg) + _runtime_conflicts(cfg))
 
 
-def _fused_qkv_rope_errors(cfg: Config) -> list[str]:
-    """Megatron's fused QKV RoPE takes whole (not packed) sequences on one rank's attention."""
-    if not cfg.model.fused_qkv_rope:
-        return []
-    d, p = cfg.data, cfg.parallel
-    conflicts = {"data.packing=thd": d.packing == "thd", f"parallel.cp={p.cp}": p.cp > 1,
-                 "parallel.chunkpipe.chunk_size": p.chunkpipe.chunk_size is not None}  # fmt: skip
-    return [f"model.fused_qkv_rope=true cannot be combined with {key}: megatron's fused QKV RoPE applies to "
-            "whole sequences (no packed documents, context parallelism or ChunkPipe); set "
-            "model.fused_qkv_rope=false" for key, conflict in conflicts.items() if conflict][:1]  # fmt: skip
-
+def _runtime_conflicts(cfg: Config) -> list[str]:
+    """The runtime options (loong_parallel.runtime) this model, data and layout cannot run with."""
+    p, m, packing = cfg.parallel, cfg.model, cfg.data.packing
+    return [*runtime_rules.cuda_graph_conflicts(p, m, packing), *runtime_rules.wgrad_fusion_conflicts(p, m),
+            *runtime_rules.output_loss_conflicts(p, m), *runtime_rules.fused_qkv_rope_conflicts(p, m, packing)]
 
 
 def _chunkpipe_errors(cfg: Config) -> list[str]:
@@ -155,7 +147,7 @@ def _chunkpipe_errors(cfg: Config) -> list[str]:
         return []
     f, d = cfg.model.foundation, cfg.data
     cannot = {
-        **_chunkpipe_moe_conflicts(f.moe),
+        **cfg.parallel.chunkpipe.moe_conflicts(f.moe),
         f"train.micro_batch_size={cfg.train.micro_batch_size} (it needs 1: one sample or pack per micro-batch)":
             cfg.train.micro_batch_size != 1,
         "model.foundation.sparse_attention (DeepSeek sparse attention)": f.sparse_attention is not None,
@@ -165,20 +157,6 @@ def _chunkpipe_errors(cfg: Config) -> list[str]:
         f"data.kind={d.kind} (ChunkPipe runs language models on token data)": d.kind not in ("text", "chat"),
     }  # fmt: skip
     return [f"parallel.chunkpipe cannot combine with {what}" for what, present in cannot.items() if present]
-
-
-def _chunkpipe_moe_conflicts(moe: MoEConfig | None) -> dict[str, bool]:
-    """MoE layers route each token on its own (chunks route as the sample does); what sees the
-    whole micro-batch cannot be chunked exactly."""
-    if moe is None:
-        return {}
-    return {
-        f"model.foundation.moe.load_balancing={moe.load_balancing} (a balancing loss sees each chunk, not the sample; "
-        "set none and aux_loss_coeff=0, e.g. with expert_bias=true)": moe.load_balancing != "none" and moe.aux_loss_coeff > 0,
-        "model.foundation.moe.z_loss_coeff (the router z-loss averages over each chunk)": bool(moe.z_loss_coeff),
-        "model.foundation.moe.capacity_factor (token dropping depends on the chunk's tokens)":
-            moe.capacity_factor is not None,
-    }  # fmt: skip
 
 
 def _context_parallel_errors(cfg: Config) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from loong_parallel.balance.config import BalanceConfig
 
@@ -73,6 +74,22 @@ class ChunkPipeConfig:
     @property
     def enabled(self) -> bool:
         return self.chunk_size is not None
+
+    @staticmethod
+    def moe_conflicts(moe: Any) -> dict[str, bool]:
+        """What of a foundation's MoE config (loong_models' MoEConfig, or None) ChunkPipe cannot
+        chunk exactly: MoE layers route each token on its own (chunks route as the sample does),
+        but what sees the whole micro-batch does not split into chunks."""
+        if moe is None:
+            return {}
+        return {
+            f"model.foundation.moe.load_balancing={moe.load_balancing} (a balancing loss sees each chunk, not the "
+            "sample; set none and aux_loss_coeff=0, e.g. with expert_bias=true)":
+                moe.load_balancing != "none" and moe.aux_loss_coeff > 0,
+            "model.foundation.moe.z_loss_coeff (the router z-loss averages over each chunk)": bool(moe.z_loss_coeff),
+            "model.foundation.moe.capacity_factor (token dropping depends on the chunk's tokens)":
+                moe.capacity_factor is not None,
+        }  # fmt: skip
 
 
 @dataclass

@@ -96,6 +96,20 @@ def wgrad_fusion_conflicts(pcfg: ParallelConfig, model: Any) -> list[str]:
     return []
 
 
+def fused_qkv_rope_conflicts(pcfg: ParallelConfig, model: Any, packing: str = "fixed") -> list[str]:
+    """Why ``model.fused_qkv_rope=true`` cannot run with this job's data and layout (the model's own
+    conflicts are loong_models.ModelConfig's): megatron's fused QKV RoPE applies to whole sequences on
+    one rank's attention, so no packed documents (``packing``: data.packing), context parallelism or
+    ChunkPipe. The first conflict only."""
+    if not model.fused_qkv_rope:
+        return []
+    conflicts = {"data.packing=thd": packing == "thd", f"parallel.cp={pcfg.cp}": pcfg.cp > 1,
+                 "parallel.chunkpipe.chunk_size": pcfg.chunkpipe.chunk_size is not None}  # fmt: skip
+    return [f"model.fused_qkv_rope=true cannot be combined with {key}: megatron's fused QKV RoPE applies to "
+            "whole sequences (no packed documents, context parallelism or ChunkPipe); set "
+            "model.fused_qkv_rope=false" for key, conflict in conflicts.items() if conflict][:1]  # fmt: skip
+
+
 def output_loss_conflicts(pcfg: ParallelConfig, model: Any) -> list[str]:
     """Why ``model.foundation.output_loss=fused`` (loong_models.foundation.output_loss) cannot run
     with this layout: it computes the whole vocabulary's cross-entropy on one rank from
