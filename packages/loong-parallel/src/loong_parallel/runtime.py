@@ -104,7 +104,7 @@ def fused_qkv_rope_conflicts(pcfg: ParallelConfig, model: Any, packing: str = "f
     if not model.fused_qkv_rope:
         return []
     conflicts = {"data.packing=thd": packing == "thd", f"parallel.cp={pcfg.cp}": pcfg.cp > 1,
-                 "parallel.chunkpipe.chunk_size": pcfg.chunkpipe.chunk_size is not None}  # fmt: skip
+                 "parallel.chunkpipe.chunk_size": pcfg.chunkpipe.enabled}  # fmt: skip
     return [f"model.fused_qkv_rope=true cannot be combined with {key}: megatron's fused QKV RoPE applies to "
             "whole sequences (no packed documents, context parallelism or ChunkPipe); set "
             "model.fused_qkv_rope=false" for key, conflict in conflicts.items() if conflict][:1]  # fmt: skip
@@ -123,7 +123,7 @@ def output_loss_conflicts(pcfg: ParallelConfig, model: Any) -> list[str]:
     cannot = {
         f"parallel.tp={tp} (the output layer's vocabulary is split across ranks)": tp > 1,
         "parallel.sequence_parallel=true": pcfg.sequence_parallel,
-        "parallel.chunkpipe (it computes each chunk's loss itself)": pcfg.chunkpipe.chunk_size is not None,
+        "parallel.chunkpipe (it computes each chunk's loss itself)": pcfg.chunkpipe.enabled,
         f"parallel.pp={pcfg.pp} (not yet tested against megatron's loss)": pcfg.pp > 1,
         f"parallel.cp={pcfg.cp} (not yet tested against megatron's loss)": pcfg.cp > 1,
     }
