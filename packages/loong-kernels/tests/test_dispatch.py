@@ -1,6 +1,7 @@
 """The one dispatch point: what it picks, its overrides, and that its table is well formed."""
 
 import importlib
+import logging
 import subprocess
 import sys
 
@@ -14,6 +15,19 @@ from loong_kernels.tilelang_support import tilelang_importable
 def test_cpu_tensors_use_the_reference():
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     assert choose("rms_norm_fwd", x, torch.ones(8), None, 1e-6) == "reference"
+
+
+def test_a_cpu_fallback_is_quiet_but_a_cuda_run_without_tilelang_warns_once_per_kernel(caplog):
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="loong_kernels"):
+        choose("swiglu_fwd", x)  # CPU inputs: the reference is the expected choice
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        # the reason _tilelang_blocker gives for CUDA inputs when tilelang does not import
+        for _ in range(2):
+            dispatch._log_fallback("test_kernel_without_tilelang", f"TileLang: {dispatch.NO_TILELANG}")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "test_kernel_without_tilelang" in warnings[0] and "pip install loong-kernels[tilelang]" in warnings[0]
 
 
 def test_forcing_tilelang_where_it_cannot_run_is_an_error():

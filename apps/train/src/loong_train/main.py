@@ -22,8 +22,9 @@ def _setup_logging() -> None:
         format=f"[loong{'' if rank == 0 else f' rank{rank}'}] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # megatron's CUDA-graph module logs each capture ("built N cuda graph(s)", parallel.cuda_graphs)
-    for name in ("loong_train", "loong_xpu", "loong_models", "loong_parallel", "loong_data", "loong_ckpt",
+    # megatron's CUDA-graph module logs each capture ("built N cuda graph(s)", parallel.cuda_graphs);
+    # loong_kernels logs each measured kernel choice (which implementation a fused op runs)
+    for name in ("loong_train", "loong_xpu", "loong_kernels", "loong_models", "loong_parallel", "loong_data", "loong_ckpt",
                  "megatron.core.transformer.cuda_graphs"):  # fmt: skip
         logging.getLogger(name).setLevel(logging.INFO if rank == 0 else logging.WARNING)
 

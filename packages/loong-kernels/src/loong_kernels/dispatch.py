@@ -140,6 +140,10 @@ def _first_tensor(args: tuple[Any, ...]) -> torch.Tensor:
     raise TypeError("a kernel call needs at least one tensor argument")
 
 
+# the one fallback worth a warning: a CUDA run that has a TileLang kernel but not the package
+NO_TILELANG = "tilelang does not import"
+
+
 def _tilelang_blocker(entry: KernelEntry, args: tuple[Any, ...]) -> str | None:
     """Why the TileLang kernel cannot run this call, or None when it can."""
     if entry.tilelang is None:
@@ -148,7 +152,7 @@ def _tilelang_blocker(entry: KernelEntry, args: tuple[Any, ...]) -> str | None:
     if x.device.type != "cuda" or _accelerator_device_type() != "cuda":
         return f"the inputs are on {x.device.type} and the accelerator is {_accelerator_device_type()}"
     if not tilelang_importable():
-        return "tilelang does not import"
+        return NO_TILELANG
     if x.dtype not in TILELANG_DTYPES:
         return f"the dtype is {x.dtype}"
     if entry.supports is not None and not _load(entry.supports)(*args):
@@ -167,7 +171,7 @@ def _megatron_blocker(entry: KernelEntry, args: tuple[Any, ...]) -> str | None:
     if x.device.type != "cuda":
         return f"the inputs are on {x.device.type}"
     if not tilelang_importable():
-        return "tilelang does not import"
+        return NO_TILELANG
     return _load(entry.megatron_blocker)(*args)
 
 
@@ -202,6 +206,10 @@ def choose(kernel: str, *args: Any) -> Implementation:
 
 @functools.cache
 def _log_fallback(kernel: str, reason: str) -> None:
+    if NO_TILELANG in reason:  # e.g. the fused output loss then runs slower than megatron's unfused one
+        logger.warning("%s: the inputs are on CUDA but tilelang does not import, so the slower torch reference "
+                       "runs instead of the TileLang kernel (pip install loong-kernels[tilelang])", kernel)  # fmt: skip
+        return
     logger.debug("%s: using the torch reference because %s", kernel, reason)
 
 
