@@ -230,6 +230,10 @@ def main() -> None:
           f"micro-batch {args.mbs}, {args.nproc} x {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
           f"{f' (TP {args.tp}, DP {dp_size(args)}; MFU per GPU)' if args.nproc > 1 else ''}, "
           f"median of {args.steps - args.warmup} steps after {args.warmup} warm-up")  # fmt: skip
+    from loong_kernels.tilelang_support import tilelang_importable
+
+    # the fused output loss's speed depends on it (without it: the chunked torch reference)
+    print(f"TileLang kernels: {'available' if tilelang_importable() else 'tilelang does not import (torch references)'}")
     print(f"{'stack':<60} {'step s':>8} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
     for row in rows:
         print(row_text(args, fpt, *row))
