@@ -1,13 +1,14 @@
 """Mixture-of-Experts training throughput with expert parallelism, in one run: the baseline EP
-layout, then the same with the expert-parallel all-to-all overlapped with computation, then with
-activation offload to host memory. Each variant is a separate torchrun job of the real train app.
+layout, then the same with the expert-parallel all-to-all overlapped with computation (also with
+the weight gradients computed apart, megatron's delay_wgrad_compute), then with activation
+offload to host memory. Each variant is a separate torchrun job of the real train app.
 
 Default shape: qwen3-30b-a3b reduced to 4 layers (all 128 experts, top-8 routing, hidden 2048,
 GQA 32/4 heads), sequence 4096, bf16 with fp32 master weights and the distributed optimizer, the
 TE layer spec (grouped-GEMM experts) when transformer-engine is installed, alltoall dispatcher,
 EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batches per step.
 
-    python bench/moe_throughput.py                                  # 4 GPUs, the three variants
+    python bench/moe_throughput.py                                  # 4 GPUs, the four variants
     python bench/moe_throughput.py --gpus 2 --layers 8
     python bench/moe_throughput.py --variants baseline a2a-overlap --extra parallel.moe_token_dispatcher=alltoall
 
@@ -36,6 +37,8 @@ VARIANTS: dict[str, list[str]] = {
     # megatron's combined 1F1B schedule: one micro-batch's dispatch/combine all-to-all runs while
     # another micro-batch computes (needs ep > 1, bf16, >= 2 micro-batches)
     "a2a-overlap": ["parallel.moe_a2a_overlap=true"],
+    # + TE's weight gradients computed apart (megatron's delay_wgrad_compute): more to overlap
+    "a2a-overlap-dw": ["parallel.moe_a2a_overlap=true", "parallel.moe_delay_wgrad=true"],
     # the inputs of the experts' first linear and of their activation wait in host memory
     "offload": ["parallel.offload_activations=[expert_fc1,moe_act]"],
 }

@@ -137,6 +137,8 @@ def compose_config(*overrides: str):
         (["model=qwen3-moe-tiny", "model.foundation.moe.capacity_factor=-1"], 1,
          r"model.foundation.moe.capacity_factor=-1.0 must be > 0 or null"),
         (["model=deepseek-v3-tiny", "parallel.moe_a2a_overlap=true"], 1, r"parallel.moe_a2a_overlap=true needs parallel.ep >= 2"),
+        (["model=qwen3-moe-tiny", "parallel.ep=2", "parallel.moe_delay_wgrad=true"], 2,
+         r"parallel.moe_delay_wgrad=true needs parallel.moe_a2a_overlap=true"),
         (["model=qwen3-moe-tiny", "+model.foundation.recompute_modules=[moe]"], 1,
          r"model.foundation.recompute_modules=\[moe\] needs model.foundation.recompute=selective"),
         (["model=qwen3-moe-tiny", "+model.foundation.recompute=selective", "+model.foundation.recompute_modules=[moe]",
@@ -194,10 +196,10 @@ def test_a2a_overlap_matches_plain_expert_parallel(tmp_path, data_cache):
     common = [*GPU, f"train.init_from={init.out_dir / 'checkpoints' / 'step_00000000'}", f"train.steps={STEPS}",
               "parallel.ep=2"]  # fmt: skip
     plain = run_train(common, nproc=2, name="plain", device="cuda").check().losses()
-    overlap = run_train(
-        [*common, "parallel.moe_a2a_overlap=true"], nproc=2, name="overlap", device="cuda"
-    ).check()
-    _close(plain, overlap.losses(), tol=2e-2)  # bf16: same math, another execution order
+    overlap = [*common, "parallel.moe_a2a_overlap=true"]
+    for name, extra in (("overlap", []), ("overlap-dw", ["parallel.moe_delay_wgrad=true"])):
+        run = run_train([*overlap, *extra], nproc=2, name=name, device="cuda").check()
+        _close(plain, run.losses(), tol=2e-2)  # bf16: same math, another execution order
 
 
 @pytest.mark.gpu

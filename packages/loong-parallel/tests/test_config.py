@@ -68,6 +68,10 @@ MOE = dict(num_experts=8, expert_ffn_hidden_size=32, has_shared_experts=False)
         (ParallelConfig(moe_a2a_overlap=True), 1, MOE, r"moe_a2a_overlap=true needs parallel.ep >= 2"),
         (ParallelConfig(moe_a2a_overlap=True, ep=2, pp=2), 4, MOE, r"moe_a2a_overlap=true with parallel.pp > 1 needs parallel.vpp"),
         (ParallelConfig(offload_activations=["attn_proj"]), 1, MOE, r"'attn_proj' needs 'core_attn' too"),
+        (ParallelConfig(ep=2, moe_delay_wgrad=True), 2, MOE, r"moe_delay_wgrad=true needs parallel.moe_a2a_overlap=true"),
+        (ParallelConfig(ep=2, moe_a2a_overlap=True, moe_delay_wgrad=True, grad_accumulation="batched"), 2, MOE,
+         r"moe_delay_wgrad=true cannot be combined with parallel.grad_accumulation=batched"),
+        (ParallelConfig(ep=2, moe_delay_wgrad=True), 2, {}, r"parallel.moe_delay_wgrad is set but the model has no experts"),
     ],
 )  # fmt: skip
 def test_moe_layouts_that_cannot_work_name_the_key(pcfg, world, moe, message):
@@ -80,6 +84,7 @@ def test_valid_moe_layouts_pass():
         2, 16, 32, 8, **MOE
     )  # experts: 2 (ep) x 1 dp; dense: 2 (tp)
     ParallelConfig(ep=2, pp=2, vpp=2, moe_a2a_overlap=True).validate(4, 16, 32, 8, **MOE)
+    ParallelConfig(ep=2, moe_a2a_overlap=True, moe_delay_wgrad=True).validate(2, 16, 32, 8, **MOE)
     ParallelConfig(ep=8, tp=1).validate(8, 16, 32, 8, **MOE)
 
 
@@ -99,6 +104,22 @@ def test_cuda_only_moe_options_are_refused_on_the_host():
         ParallelConfig(ep=2, tp=2, etp=1), dtype=torch.float32, device_type="cpu"
     )
     assert (fields["expert_model_parallel_size"], fields["expert_tensor_parallel_size"]) == (2, 1)
+
+
+def test_delayed_weight_gradients_become_megatrons_field_which_megatron_accepts_with_the_a2a_overlap():
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from loong_parallel import runtime_transformer_fields
+
+    pcfg = ParallelConfig(ep=2, moe_a2a_overlap=True, moe_delay_wgrad=True)
+    fields = runtime_transformer_fields(pcfg, dtype=torch.bfloat16, device_type="cuda")
+    assert fields["delay_wgrad_compute"] and fields["overlap_moe_expert_parallel_comm"]
+    shape = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=4,
+                 moe_router_topk=2, moe_ffn_hidden_size=64)  # fmt: skip
+    assert TransformerConfig(**fields, **shape).delay_wgrad_compute  # megatron's own checks pass
+    plain = runtime_transformer_fields(ParallelConfig(ep=2), dtype=torch.bfloat16, device_type="cuda")
+    assert not plain["delay_wgrad_compute"]
 
 
 @pytest.mark.parametrize(

@@ -21,12 +21,13 @@ FEATURE_KEYS: tuple[tuple[str, Callable[[ModelConfig, ParallelConfig], bool], st
     ("model.attention_backend", lambda m, p: m.attention_backend != "auto", "te"),
     ("parallel.cuda_graphs", lambda m, p: p.cuda_graphs != "none", "cuda_graphs"),
     ("parallel.moe_a2a_overlap=true", lambda m, p: p.moe_a2a_overlap, "side_streams"),
+    ("parallel.moe_delay_wgrad=true", lambda m, p: p.moe_delay_wgrad, "te"),
     ("parallel.moe_shared_expert_overlap=true", lambda m, p: p.moe_shared_expert_overlap, "side_streams"),
     ("parallel.offload_activations", lambda m, p: bool(p.offload_activations), "side_streams"),
 )
 
 # keys that tune TE layers: refused when model.layer_backend resolves to the local backend
-_NEED_TE_LAYERS = ("model.attention_backend", "parallel.cuda_graphs")
+_NEED_TE_LAYERS = ("model.attention_backend", "parallel.cuda_graphs", "parallel.moe_delay_wgrad=true")
 
 
 def require_features(model: ModelConfig, parallel: ParallelConfig, accel: Accelerator) -> None:

@@ -129,6 +129,10 @@ class ParallelConfig:
     # Hide the expert-parallel all-to-all behind another micro-batch's computation (megatron's
     # combined 1F1B schedule; CUDA, bf16/fp16, ep > 1, with pp > 1 only interleaved (vpp)).
     moe_a2a_overlap: bool = False
+    # With moe_a2a_overlap: TE layers compute weight gradients apart from the input gradients, so
+    # the combined schedule has more work to hide the other micro-batch's all-to-all behind
+    # (megatron's delay_wgrad_compute).
+    moe_delay_wgrad: bool = False
     # Fine-grained activation offloading: the inputs of these modules are kept in host memory
     # between forward and backward (CUDA); empty = off.
     offload_activations: list[OffloadModule] = field(default_factory=list)
@@ -262,7 +266,7 @@ class ParallelConfig:
             raise ValueError(
                 "parallel.offload_activations: 'attn_proj' needs 'core_attn' too (megatron offloads them together)"
             )
-        moe_keys = [k for k in ("moe_shared_expert_overlap", "moe_a2a_overlap") if getattr(self, k)]
+        moe_keys = [k for k in ("moe_shared_expert_overlap", "moe_a2a_overlap", "moe_delay_wgrad") if getattr(self, k)]
         moe_keys += ["ep"] * (self.ep > 1) + ["etp"] * (self.etp is not None)
         if num_experts is None:
             if moe_keys:
@@ -296,6 +300,12 @@ class ParallelConfig:
                 raise ValueError(
                     "parallel.moe_shared_expert_overlap=true needs parallel.moe_token_dispatcher=alltoall"
                 )
+        if self.moe_delay_wgrad and not self.moe_a2a_overlap:
+            raise ValueError("parallel.moe_delay_wgrad=true needs parallel.moe_a2a_overlap=true (the delayed weight "
+                             "gradients are work for the combined schedule to overlap)")  # fmt: skip
+        if self.moe_delay_wgrad and self.grad_accumulation == GradAccumulation.batched:
+            raise ValueError("parallel.moe_delay_wgrad=true cannot be combined with parallel.grad_accumulation=batched "
+                             "(the delayed weight gradients land after the micro-batch's backward); use hooks")  # fmt: skip
         if self.moe_a2a_overlap:
             if self.ep < 2:
                 raise ValueError(

@@ -32,6 +32,7 @@ def runtime_transformer_fields(
         moe_token_dispatcher_type=str(pcfg.moe_token_dispatcher),
         moe_shared_expert_overlap=pcfg.moe_shared_expert_overlap,
         overlap_moe_expert_parallel_comm=pcfg.moe_a2a_overlap,
+        delay_wgrad_compute=pcfg.moe_delay_wgrad,
         fine_grained_activation_offloading=bool(pcfg.offload_activations),
         offload_modules=[str(m) for m in pcfg.offload_activations],
         tensor_model_parallel_size=pcfg.tp,
