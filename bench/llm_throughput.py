@@ -5,7 +5,9 @@ batches (the bundled corpus, same sampler and seed), in bf16 with fp32 master we
 (lr 3e-4, betas 0.9/0.95, wd 0.1, clip 1.0). Loong runs the real train app (TE layer spec and
 fusions when transformer-engine is installed); HF runs LlamaForCausalLM with SDPA attention under
 torch.autocast. Each side runs in its own process; the table reports the median over the steps
-after warm-up.
+after warm-up. Every stack reports each step's batch digest (loong_data.batch_digest of the token
+ids) and the bench states that they agree, or exits naming the first step that differs (Loong
+reports none with DP > 1).
 
     python bench/llm_throughput.py                       # both, default shape
     python bench/llm_throughput.py --steps 30 --warmup 10 --hf-modes amp bf16
@@ -78,11 +80,33 @@ def loong_command(args, out: Path, variant: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def run_loong(args, out: Path, variant: list[str]) -> tuple[list[float], float]:
+def run_loong(args, out: Path, variant: list[str]) -> tuple[list[float], float, list[int] | None]:
+    """Step times after warm-up, peak memory, and each step's batch digest (None with DP > 1)."""
     cmd = loong_command(args, out, variant)
     print("loong:", " ".join(cmd[cmd.index("loong_train") + 1 :]), flush=True)
     train = run_train_app(cmd, out, label="loong run")
-    return [r["step_time_s"] for r in train if r["step"] > args.warmup], max(r["peak_mem_gib"] for r in train)
+    digests = [r.get("step_digest") for r in train]
+    return ([r["step_time_s"] for r in train if r["step"] > args.warmup], max(r["peak_mem_gib"] for r in train),
+            None if None in digests else digests)  # fmt: skip
+
+
+def same_samples(digests: dict[str, list[int] | None]) -> str:
+    """The line stating that every stack trained on the same batches (loong_data.batch_digest of
+    each step's token ids); exits naming the first stack and step that differ."""
+    known = {name: d for name, d in digests.items() if d is not None}
+    unknown = [name for name, d in digests.items() if d is None]
+    if len(known) < 2:
+        return f"same samples: not checked ({len(known)} stack(s) report batch digests; DP > 1 reports none)"
+    (first, ref), *others = known.items()
+    for name, d in others:
+        if len(d) != len(ref):
+            raise SystemExit(f"same samples: {name} ran {len(d)} steps, {first} {len(ref)}")
+        for step, (a, b) in enumerate(zip(ref, d), start=1):
+            if a != b:
+                raise SystemExit(f"same samples: step {step} of {name} trained on other tokens than {first} "
+                                 f"(batch digest {b} vs {a})")  # fmt: skip
+    left = f"; not reported by {', '.join(unknown)}" if unknown else ""
+    return f"same samples: the batch digests of all {len(ref)} steps agree across {len(known)} stacks{left}"
 
 
 def dp_size(args) -> int:
@@ -110,6 +134,7 @@ def hf_worker(args) -> None:
         load_tokenizer,
         prepare_text_dataset,
     )
+    from loong_data.step_data import batch_digest
 
     f = foundation(args.model, args.model_override)
     rs = f.rope_scaling
@@ -136,9 +161,10 @@ def hf_worker(args) -> None:
     sampler = iter(DistributedBatchSampler(len(data), micro_batch_size=args.mbs, num_microbatches=1,
                                            dp_rank=0, dp_size=1, seed=1234))  # fmt: skip
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times = []
+    times, digests = [], []
     for _ in range(args.steps):
         batch = collate([data[i] for i in next(sampler)[0]])
+        digests.append(batch_digest([batch]))
         tokens = batch["tokens"].to(device, non_blocking=True)
         sync()
         t0 = time.perf_counter()
@@ -152,10 +178,10 @@ def hf_worker(args) -> None:
         sync()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
-    print(json.dumps({"step_times": times[args.warmup :], "peak_gib": peak}))
+    print(json.dumps({"step_times": times[args.warmup :], "peak_gib": peak, "digests": digests}))
 
 
-def run_hf(args, mode: str, workdir: str) -> tuple[list[float], float]:
+def run_hf(args, mode: str, workdir: str) -> tuple[list[float], float, list[int]]:
     cmd = [sys.executable, __file__, "--worker", "hf", "--hf-mode", mode, "--workdir", workdir,
            f"--model={args.model}", f"--seq={args.seq}", f"--mbs={args.mbs}", f"--steps={args.steps}",
            f"--warmup={args.warmup}", "--model-override", *args.model_override]  # fmt: skip
@@ -164,7 +190,7 @@ def run_hf(args, mode: str, workdir: str) -> tuple[list[float], float]:
         print(proc.stderr[-6000:], file=sys.stderr)
         raise SystemExit(f"hf run ({mode}) failed ({proc.returncode})")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result["step_times"], result["peak_gib"]
+    return result["step_times"], result["peak_gib"], result["digests"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -200,13 +226,13 @@ def main() -> None:
         return hf_worker(args)
     f = foundation(args.model, args.model_override)
     fpt = f.flops_per_token(args.seq)  # the model's own count (loong-models)
-    rows, loong_rows, failed = [], 0, []
+    rows, loong_rows, failed, digests = [], 0, [], {}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_loong:
             for label, variant in parse_variants(args.variants):
                 name = " ".join(["loong", label, *args.loong_extra])
                 try:
-                    times, peak = run_loong(args, Path(tmp) / f"loong-{label}", variant)
+                    times, peak, digests[name] = run_loong(args, Path(tmp) / f"loong-{label}", variant)
                 except SystemExit as e:  # e.g. out of memory at this micro-batch: the other variants still count
                     print(f"{name}: {e}", flush=True)
                     failed.append(name)
@@ -217,7 +243,7 @@ def main() -> None:
         for mode in args.hf_modes:
             name = f"hf transformers ({mode}, sdpa)"
             try:
-                times, peak = run_hf(args, mode, tmp)
+                times, peak, digests[name] = run_hf(args, mode, tmp)
             except SystemExit as e:
                 print(f"{name}: {e}", flush=True)
                 failed.append(name)
@@ -246,6 +272,7 @@ def main() -> None:
     if loong_rows > 1:  # each variant against the first
         for name, step, _ in rows[1:loong_rows]:
             print(f"{name} / {rows[0][0]}: {rows[0][1] / step:.3f}x tokens/s")
+    print(same_samples(digests))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ def run_train_app(cmd: list[str], out: Path, *, label: str, env: dict[str, str] 
     if proc.returncode:
         print(proc.stderr[-6000:], file=sys.stderr)
         raise SystemExit(f"{label} failed ({proc.returncode})")
-    print("  ", *[ln for ln in proc.stderr.splitlines() if "loong_train: model" in ln], flush=True)
+    # the model line, and loong_kernels' warnings (a fused op on its slow torch reference)
+    shown = [ln for ln in proc.stderr.splitlines() if "loong_train: model" in ln or "WARNING loong_kernels" in ln]
+    print("  ", *shown, sep="\n   " if len(shown) > 1 else " ", flush=True)
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("split", "train") == "train"]

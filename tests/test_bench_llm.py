@@ -1,7 +1,9 @@
 """The CPU side of bench/llm_throughput.py: the Loong commands it launches (one process, or
-torchrun with TP + SP over several), the tokens a step holds and the arguments it refuses."""
+torchrun with TP + SP over several), the tokens a step holds and the arguments it refuses; the
+whole bench at the tiny shape on the CPU, where both stacks must report the same batches."""
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,3 +41,24 @@ def test_several_gpus_run_under_torchrun_with_tp_and_sequence_parallelism(tmp_pa
 def test_layouts_that_cannot_run_are_refused(argv):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
+
+
+def test_the_same_samples_line_states_agreement_or_exits_naming_the_step():
+    assert bench.same_samples({"loong a": [1, 2, 3], "hf": [1, 2, 3], "loong dp2": None}) == (
+        "same samples: the batch digests of all 3 steps agree across 2 stacks; not reported by loong dp2")
+    assert bench.same_samples({"loong a": [1, 2]}).startswith("same samples: not checked (1 stack(s)")
+    with pytest.raises(SystemExit, match=r"step 2 of hf trained on other tokens than loong a \(batch digest 9 vs 2\)"):
+        bench.same_samples({"loong a": [1, 2, 3], "hf": [1, 9, 3]})
+    with pytest.raises(SystemExit, match=r"hf ran 2 steps, loong a 3"):
+        bench.same_samples({"loong a": [1, 2, 3], "hf": [1, 2]})
+
+
+def test_loong_and_hf_train_on_the_same_batches_on_the_cpu():
+    """The whole bench at the tiny shape: the train app and the HF worker report each step's
+    batch digest from their own data path, and the bench finds them equal."""
+    cmd = [sys.executable, str(_PATH), "--model", "tiny", "--seq", "64", "--mbs", "2", "--steps", "3",
+           "--warmup", "1", "--hf-modes", "bf16", "--variants", "loong="]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "same samples: the batch digests of all 3 steps agree across 2 stacks" in proc.stdout
+    assert "TileLang kernels:" in proc.stdout

@@ -29,7 +29,7 @@ def test_a_record_sums_the_window_and_reports_the_last_step():
     assert (record["loss"], record["lr"], record["grad_norm"], record["skipped"], record["nonfinite"]) == (
         2.5, 1e-3, 1.5, False, False)  # fmt: skip
     assert record["tokens_per_s_per_device"] == pytest.approx(record["tokens_per_s"] / 2)
-    assert "mfu" not in record and "images_per_s" not in record
+    assert "mfu" not in record and "images_per_s" not in record and "step_digest" not in record
     assert postfix["loss"] == "2.5000"
 
 
@@ -51,6 +51,13 @@ def test_data_with_media_adds_images_per_s_and_the_last_steps_counts():
     record, _ = w.record(2, RESULT, world_size=1, peak_flops=None)
     assert record["images_per_s"] > 0
     assert (record["step_tokens"], record["step_images"], record["step_samples"], record["step_digest"]) == (20, 4, 5, 22)
+
+
+def test_text_data_with_a_digest_reports_it_without_media_fields():
+    w = StepWindow()
+    w.add(Counts(tokens=10, digest=7), 0.0, step_time=0.1)
+    record, _ = w.record(1, RESULT, world_size=1, peak_flops=None)
+    assert record["step_digest"] == 7 and "images_per_s" not in record and "step_images" not in record
 
 
 def test_step_times_add_up_to_the_wall_time_and_pauses_are_left_out():

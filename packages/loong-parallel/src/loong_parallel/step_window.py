@@ -53,8 +53,9 @@ class StepWindow:
         }  # fmt: skip
         if self.has_media:
             record["images_per_s"] = self.images / elapsed  # + the last step's data (benches compare stacks):
-            record.update(step_tokens=self.last.tokens, step_images=self.last.images, step_samples=self.last.samples,
-                          step_digest=self.last.digest)
+            record.update(step_tokens=self.last.tokens, step_images=self.last.images, step_samples=self.last.samples)
+        if self.last.digest is not None:  # what the last step trained on (benches assert stacks agree)
+            record["step_digest"] = self.last.digest
         if peak_flops:
             record["mfu"] = self.flops / elapsed / world_size / peak_flops
         return record, {"loss": f"{result.loss:.4f}", "tok_s": f"{tps:,.0f}"}

@@ -23,7 +23,7 @@ from loong_data.packing import PackingStrategy, packing_strategy
 from loong_data.prepare import prepare_text_dataset
 from loong_data.sampler import DistributedBatchSampler
 from loong_data.step_data.config import DataConfig
-from loong_data.step_data.layout import StepCounts, StepLayout
+from loong_data.step_data.layout import StepCounts, StepLayout, batch_digest
 from loong_data.token_file import TokenFile
 from loong_data.tokenizer import TextTokenizer, load_tokenizer
 
@@ -102,8 +102,11 @@ class TextStepData:
                                  dp_rank=lay.dp_rank, dp_size=lay.dp_size, seed=lay.seed))  # fmt: skip
 
     def counts(self, microbatches: list[dict], loss_tokens: int) -> StepCounts:
-        """Loss tokens: every token in fixed rows, the real ones in packed sequences."""
-        return StepCounts(tokens=loss_tokens)
+        """Loss tokens: every token in fixed rows, the real ones in packed sequences; with one DP
+        rank, the step's :func:`batch_digest` (a CRC of host tensors; over several ranks it would
+        need a collective each step, so there it is None)."""
+        digest = batch_digest(microbatches) if self.layout.dp_size == 1 else None
+        return StepCounts(tokens=loss_tokens, digest=digest)
 
 
 def _packed_documents(cfg: DataConfig, split: TokenFile, tokenizer: TextTokenizer, layout: StepLayout) -> PackedDocuments:
