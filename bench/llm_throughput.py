@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from same_data import StackCounts, check_same_data  # noqa: E402
 from train_app import run_train_app  # noqa: E402
 
 PEAK = 989e12
@@ -92,21 +93,14 @@ def run_loong(args, out: Path, variant: list[str]) -> tuple[list[float], float, 
 
 def same_samples(digests: dict[str, list[int] | None]) -> str:
     """The line stating that every stack trained on the same batches (loong_data.batch_digest of
-    each step's token ids); exits naming the first stack and step that differ."""
-    known = {name: d for name, d in digests.items() if d is not None}
-    unknown = [name for name, d in digests.items() if d is None]
+    each step's token ids); exits naming the first stack and step that differ (same_data)."""
+    known = [StackCounts(name, [{"digest": d} for d in steps]) for name, steps in digests.items() if steps is not None]
+    unknown = [name for name, steps in digests.items() if steps is None]
     if len(known) < 2:
         return f"same samples: not checked ({len(known)} stack(s) report batch digests; DP > 1 reports none)"
-    (first, ref), *others = known.items()
-    for name, d in others:
-        if len(d) != len(ref):
-            raise SystemExit(f"same samples: {name} ran {len(d)} steps, {first} {len(ref)}")
-        for step, (a, b) in enumerate(zip(ref, d), start=1):
-            if a != b:
-                raise SystemExit(f"same samples: step {step} of {name} trained on other tokens than {first} "
-                                 f"(batch digest {b} vs {a})")  # fmt: skip
+    check_same_data(known)
     left = f"; not reported by {', '.join(unknown)}" if unknown else ""
-    return f"same samples: the batch digests of all {len(ref)} steps agree across {len(known)} stacks{left}"
+    return f"same samples: the batch digests of all {len(known[0].counts)} steps agree across {len(known)} stacks{left}"
 
 
 def dp_size(args) -> int:

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from same_data import check_same_data  # noqa: E402
 from train_app import run_train_app  # noqa: E402
 from vlm_flops import PEAK_BF16, step_counts, text_only_ceiling  # noqa: E402
 
@@ -514,20 +515,6 @@ class Row:
     step_times: list[float]
     peak_gib: float
     counts: list[dict]  # per step, counted by this stack itself (SAME_DATA)
-
-
-def check_same_data(rows: list[Row]) -> None:
-    """Every stack trained on the same samples, tokens and images at every step, or the comparison
-    means nothing: exit naming the first step and count where two differ."""
-    ref = rows[0]
-    for r in rows[1:]:
-        for step, (a, b) in enumerate(zip(ref.counts, r.counts, strict=False), 1):
-            for key in SAME_DATA:
-                if a[key] != b[key]:
-                    raise SystemExit(f"{ref.name!r} and {r.name!r} trained different data: step {step} {key} "
-                                     f"{a[key]} != {b[key]}")  # fmt: skip
-        if len(ref.counts) != len(r.counts):
-            raise SystemExit(f"{ref.name!r} ran {len(ref.counts)} steps, {r.name!r} {len(r.counts)}")
 
 
 def table(rows: list[Row], counts: list[dict], warmup: int) -> list[str]:
