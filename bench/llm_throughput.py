@@ -86,6 +86,10 @@ def run_loong(args, out: Path, variant: list[str]) -> tuple[list[float], float, 
     cmd = loong_command(args, out, variant)
     print("loong:", " ".join(cmd[cmd.index("loong_train") + 1 :]), flush=True)
     train = run_train_app(cmd, out, label="loong run")
+    # variants start from the same seed on the same batches: their losses show what a precision lever costs
+    losses = [r["loss"] for r in train]
+    print(f"  loss: step 1 {losses[0]:.4f}, last step {losses[-1]:.4f}, "
+          f"mean of the last {min(5, len(losses))} {sum(losses[-5:]) / len(losses[-5:]):.4f}", flush=True)  # fmt: skip
     digests = [r.get("step_digest") for r in train]
     return ([r["step_time_s"] for r in train if r["step"] > args.warmup], max(r["peak_mem_gib"] for r in train),
             None if None in digests else digests)  # fmt: skip

@@ -11,6 +11,7 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py                                  # 4 GPUs, the four variants
     python bench/moe_throughput.py --gpus 2 --layers 8
     python bench/moe_throughput.py --variants baseline a2a-overlap --extra parallel.moe_token_dispatcher=alltoall
+    python bench/moe_throughput.py --mbs 2 --variants baseline offload offload-all   # where activations weigh
 
 MFU = (6 N + 6 L h s) * tokens/s/GPU / peak (989 TFLOP/s bf16 on H100/H200), N = the parameters
 one token uses (active: attention, router, top-k experts, embeddings), as the train app reports.
@@ -41,7 +42,11 @@ VARIANTS: dict[str, list[str]] = {
     "a2a-overlap-dw": ["parallel.moe_a2a_overlap=true", "parallel.moe_delay_wgrad=true"],
     # the inputs of the experts' first linear and of their activation wait in host memory
     "offload": ["parallel.offload_activations=[expert_fc1,moe_act]"],
+    # every offload point megatron has: the attention's and the MLP's inputs wait in host memory too
+    "offload-all": ["parallel.offload_activations=[attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,expert_fc1,moe_act]"],
 }
+
+DEFAULT_VARIANTS = ["baseline", "a2a-overlap", "a2a-overlap-dw", "offload"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="megatron's forced load balancing instead of the router's own choice (default: real routing)",
     )
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     p.add_argument("--device", default="cuda", help="LOONG_DEVICE of the runs (cpu: smoke-test this script)")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--extra", nargs="*", default=[], help="extra train-app overrides for every variant")

@@ -3,6 +3,7 @@ torchrun with TP + SP over several), the tokens a step holds and the arguments i
 whole bench at the tiny shape on the CPU, where both stacks must report the same batches."""
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,4 @@ def test_loong_and_hf_train_on_the_same_batches_on_the_cpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "same samples: the batch digests of all 3 steps agree across 2 stacks" in proc.stdout
     assert "TileLang kernels:" in proc.stdout
+    assert re.search(r"loss: step 1 \d+\.\d{4}, last step \d+\.\d{4}, mean of the last 3 \d+\.\d{4}", proc.stdout)

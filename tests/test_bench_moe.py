@@ -46,6 +46,9 @@ def test_each_variant_is_its_own_torchrun_job(tmp_path):
     }
     offload = bench.train_command(args, "offload", tmp_path / "o")
     assert "parallel.offload_activations=[expert_fc1,moe_act]" in offload
+    everything = bench.train_command(args, "offload-all", tmp_path / "a")
+    points = "attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,expert_fc1,moe_act"
+    assert f"parallel.offload_activations=[{points}]" in everything
 
 
 def test_mfu_counts_active_parameters():

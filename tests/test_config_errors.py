@@ -78,6 +78,12 @@ def test_an_adaptive_fp8_run_without_a_policy_is_refused_naming_the_key():
         validate(cfg, world_size=1)
 
 
+def test_an_fp8_output_layer_without_the_fused_loss_is_refused_naming_the_key():
+    cfg = to_config(compose_config("++model.foundation.precision.fp8=on", "++model.foundation.precision.fp8_output_layer=true"))
+    with pytest.raises(ConfigError, match=r"model.foundation.precision.fp8_output_layer=true needs model.foundation.output_loss=fused"):
+        validate(cfg, world_size=1)
+
+
 def test_world_size_must_fit_layout():
     cfg = to_config(compose_config("parallel.tp=2", "parallel.pp=2"))
     with pytest.raises(ConfigError, match=r"world size 2 is not divisible by parallel.tp \* parallel.pp \* parallel.cp = 2 \* 2 \* 1"):

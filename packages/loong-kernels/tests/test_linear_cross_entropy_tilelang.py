@@ -1,43 +1,16 @@
 """The TileLang linear + cross-entropy without a GPU: its algorithm (a torch emulation of the kernel,
 lane for lane, run through the real chunk loop) against the references, and its place in the dispatcher."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from loong_kernels import dispatch, linear_cross_entropy, use_implementation
 from loong_kernels.reference import linear_cross_entropy_chunked
+from loong_kernels.testing import emulated_ce_kernel as emulated_kernel
 from loong_kernels.tilelang_support import tilelang_importable
 
 pytestmark = pytest.mark.skipif(not tilelang_importable(), reason="the kernel module imports tilelang")
-
-LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
-
-
-def emulated_kernel(write_grad: bool):
-    """``build_ce``'s kernel in torch: lane ``j`` of a CTA keeps its own running max and sum (base 2,
-    float32) over entries ``j, j + TILE, ...``; the lanes are merged once at the end."""
-    from loong_kernels.tl.linear_cross_entropy import _TILE as tile
-
-    def run(logits: torch.Tensor, scale: torch.Tensor, lse: torch.Tensor) -> None:
-        rows, vocab = logits.shape
-        m = torch.full((rows, tile), float("-inf"))
-        s = torch.zeros(rows, tile)
-        for start in range(0, vocab, tile):
-            width = min(tile, vocab - start)
-            x = logits[:, start : start + width].float() * LOG2E
-            new = torch.maximum(m[:, :width], x)
-            s[:, :width] = s[:, :width] * torch.exp2(m[:, :width] - new) + torch.exp2(x - new)
-            m[:, :width] = new
-        m_row = m.max(1).values
-        lse2 = m_row + torch.log2((s * torch.exp2(m - m_row[:, None])).sum(1))
-        lse.copy_(lse2 * LN2)
-        if write_grad:
-            logits.copy_((torch.exp2(logits.float() * LOG2E - lse2[:, None]) * scale[:, None]).to(logits.dtype))
-
-    return run
 
 
 @pytest.mark.parametrize("vocab", [1000, 2048, 5000, 128256])

@@ -36,6 +36,9 @@ CASES = [
     # llama3's vocab (62 full tiles and a tail) and one smaller than a tile, loss only
     ("linear_cross_entropy", "build_ce", (128256, "bfloat16", True)),
     ("linear_cross_entropy", "build_ce", (1000, "float16", False)),
+    # the FP8 loss's casts: llama's vocab (the gradient, E5M2) and a hidden width (E4M3)
+    ("linear_cross_entropy_fp8", "build_cast_transpose", (128256, "bfloat16", "float8_e5m2")),
+    ("linear_cross_entropy_fp8", "build_cast_transpose", (4096, "bfloat16", "float8_e4m3")),
 ]
 
 

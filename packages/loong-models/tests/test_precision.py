@@ -54,10 +54,16 @@ def policy_file(tmp_path):
     (dict(fp8="adaptive", recipe="delayed", policy="p.json"), r"model.foundation.precision.recipe=delayed cannot be adaptive"),
     (dict(fp8="on", num_tokens=0), r"model.foundation.precision.num_tokens=0 must be >= 1"),
     (dict(fp8="sometimes"), r"model.foundation.precision.fp8='sometimes'; allowed: off, on, adaptive"),
+    (dict(fp8_output_layer=True), r"model.foundation.precision.fp8_output_layer=true needs model.foundation.precision.fp8=on"),
+    (dict(fp8="on", fp8_output_layer=True), r"fp8_output_layer=true needs model.foundation.output_loss=fused"),
 ])  # fmt: skip
 def test_contradicting_precision_settings_are_refused_naming_the_key(settings, error):
     with pytest.raises(ValueError, match=error):
         FoundationConfig(precision=PrecisionConfig(**settings)).validate()
+
+
+def test_an_fp8_output_layer_with_the_fused_loss_is_accepted():
+    FoundationConfig(output_loss="fused", precision=PrecisionConfig(fp8="on", fp8_output_layer=True)).validate()
 
 
 def test_an_unknown_recipe_in_the_yaml_is_refused_with_the_allowed_values():

@@ -15,6 +15,7 @@ import torch
 
 from loong_models import FoundationConfig, ModelConfig, build_model, build_transformer_config
 from loong_models.foundation.output_loss import FusedLossGPTModel
+from loong_models.precision import PrecisionConfig
 from loong_parallel import OptimConfig, ParallelConfig, build_model_chunks, build_optimizer, train_step
 from loong_parallel.forward import lm_forward_step
 from loong_xpu import get_accelerator
@@ -43,9 +44,12 @@ def _batches(packed: bool) -> list[dict]:
     return out
 
 
-def _train(output_loss: str, *, tied: bool, packed: bool, wgrad_fusion: bool = False):
+def _train(output_loss: str, *, tied: bool, packed: bool, wgrad_fusion: bool = False, fp8_output_layer: bool = False):
     """STEPS fp32 steps on the CPU (local layers): losses, each step's main_grads, final weights."""
     f = dataclasses.replace(F, tie_word_embeddings=tied, output_loss=output_loss)
+    if fp8_output_layer:  # the layers' FP8 needs TE on a GPU; the output layer's FP8 loss runs its emulation here
+        f = dataclasses.replace(f, precision=PrecisionConfig(fp8="on", fp8_output_layer=True))
+    f.validate()
     pcfg = ParallelConfig(wgrad_fusion=wgrad_fusion)
     config = build_transformer_config(f, use_cpu_initialization=True, calculate_per_token_loss=True)
 
@@ -85,6 +89,17 @@ def test_the_fused_output_loss_with_fused_wgrad_accumulation_trains_as_megatrons
     losses, grads, weights, _ = _train("fused", tied=True, packed=False, wgrad_fusion=True)
     assert losses == pytest.approx(base_losses, rel=1e-5, abs=0)
     _assert_same(grads, base_grads, weights, base_weights)
+
+
+def test_an_fp8_output_layer_trains_through_the_fp8_loss_near_the_bf16_one(megatron_cpu):
+    base_losses, base_grads, _, _ = _train("fused", tied=False, packed=False)
+    losses, grads, _, model = _train("fused", tied=False, packed=False, fp8_output_layer=True)
+    assert model.fp8_output_layer
+    assert losses != base_losses  # the FP8 roundings are in the loss
+    assert losses == pytest.approx(base_losses, abs=2e-2)
+    for name, value in base_grads[0].items():
+        got = grads[0][name]
+        assert torch.nn.functional.cosine_similarity(got.flatten(), value.flatten(), dim=0) > 0.99, name
 
 
 def _assert_same(grads, base_grads, weights, base_weights) -> None:

@@ -1,6 +1,7 @@
 """model.foundation.output_loss=fused on a GPU, bf16, TE layers: one train_step of the real
 lm_forward_step (2 micro-batches, masked tokens) gives megatron's loss and every parameter's
-main_grad up to bf16 rounding, with the TileLang kernel and with the chunked torch reference."""
+main_grad up to bf16 rounding, with the TileLang kernel and with the chunked torch reference; with
+``precision.fp8_output_layer`` (FP8 GEMMs in the output layer) the same up to FP8 rounding."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from loong_kernels import use_implementation
 from loong_kernels.tilelang_support import tilelang_importable
 from loong_models import FoundationConfig, ModelConfig, build_model, build_transformer_config, fusion_fields
+from loong_models.precision import PrecisionConfig
 from loong_models.specs import te_installed
 from loong_parallel import (
     OptimConfig,
@@ -47,10 +49,12 @@ def _batches() -> list[dict]:
     return out
 
 
-def _one_step(output_loss: str, tied: bool, accel) -> tuple[float, dict[str, torch.Tensor]]:
+def _one_step(output_loss: str, tied: bool, accel, fp8_output_layer: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     f = dataclasses.replace(F, tie_word_embeddings=tied, output_loss=output_loss)
+    if fp8_output_layer:  # the output layer alone in FP8: the layers stay BF16 (no FP8 fields below)
+        f = dataclasses.replace(f, precision=PrecisionConfig(fp8="on", fp8_output_layer=True))
     pcfg = ParallelConfig()
     config = build_transformer_config(f, **runtime_transformer_fields(pcfg, dtype=torch.bfloat16, device_type="cuda"),
                                       **fusion_fields("te"))  # fmt: skip
@@ -86,3 +90,20 @@ def test_the_fused_output_loss_gives_megatrons_loss_and_gradients_on_the_gpu(imp
         err = ((grads[name] - g).norm() / g.norm()).item()
         print(f"  {name}: relative error {err:.2e}")
         assert err < 2e-2, (name, err)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_an_fp8_output_layer_gives_megatrons_loss_and_gradients_up_to_fp8_rounding(tied):
+    if not tilelang_importable() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs tilelang and FP8 tensor cores")
+    accel = get_accelerator("cuda")
+    with megatron_world(accel):
+        base_loss, base = _one_step("megatron", tied, accel)
+        with use_implementation("tilelang"):
+            loss, grads = _one_step("fused", tied, accel, fp8_output_layer=True)
+    print(f"\nfp8 output layer tied={tied}: loss {loss:.6f} vs megatron {base_loss:.6f}")
+    assert loss == pytest.approx(base_loss, rel=1e-2)
+    for name, g in base.items():
+        cos = torch.nn.functional.cosine_similarity(grads[name].flatten(), g.flatten(), dim=0).item()
+        print(f"  {name}: cosine {cos:.5f}")
+        assert cos > 0.98, (name, cos)

@@ -72,6 +72,11 @@ KERNELS: dict[str, KernelEntry] = {
         f"{_REF}.linear_cross_entropy:linear_cross_entropy_tokens_chunked",
         f"{_TL}.linear_cross_entropy:linear_cross_entropy_tokens", f"{_TL}.linear_cross_entropy:supports",
     ),  # fmt: skip
+    # FP8 GEMMs (torch._scaled_mm) around the same softmax kernel; the reference emulates them in float32
+    "linear_cross_entropy_tokens_fp8": KernelEntry(
+        f"{_REF}.linear_cross_entropy_fp8:linear_cross_entropy_tokens_fp8_chunked",
+        f"{_TL}.linear_cross_entropy_fp8:linear_cross_entropy_tokens_fp8", f"{_TL}.linear_cross_entropy_fp8:supports",
+    ),  # fmt: skip
     "indexer_scores": KernelEntry(f"{_REF}.dsa:indexer_scores", f"{_TL}.indexer:indexer_scores", f"{_TL}.indexer:supports_scores"),
     "indexer_topk": KernelEntry(
         f"{_REF}.dsa:indexer_topk", f"{_TL}.indexer:indexer_topk", f"{_TL}.indexer:supports_indexer_topk",

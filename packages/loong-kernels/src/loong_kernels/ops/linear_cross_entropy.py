@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from loong_kernels.dispatch import call_with, choose_op
+from loong_kernels.dispatch import call_with, choose, choose_op
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -74,10 +74,17 @@ class LinearCrossEntropyTokensFunction(torch.autograd.Function):
         token_weight: torch.Tensor,
         chunk_size: int | None,
         grad_enabled: bool,
+        fp8: bool,
     ) -> torch.Tensor:
         need = (grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1])
         args = (hidden, weight, target, token_weight, chunk_size, *need)
-        losses, dh, dw = call_with(choose_op("linear_cross_entropy_tokens", *args), "linear_cross_entropy_tokens", *args)
+        if fp8:  # one fast version (no race): the reference is an emulation, for tests and other devices
+            op = "linear_cross_entropy_tokens_fp8"
+            impl = choose(op, *args)
+        else:
+            op = "linear_cross_entropy_tokens"
+            impl = choose_op(op, *args)
+        losses, dh, dw = call_with(impl, op, *args)
         ctx.save_for_backward(token_weight, *(g for g in (dh, dw) if g is not None))
         ctx.has = need
         return losses
@@ -93,7 +100,7 @@ class LinearCrossEntropyTokensFunction(torch.autograd.Function):
         c = _proportional_scale(dlosses.float(), token_weight.float())
         # dh and dW are the forward's (the logits are gone), scaled in place: no second weight-sized buffer
         return (None if dh is None else dh.mul_(c.to(dh.dtype)), None if dw is None else dw.mul_(c.to(dw.dtype)),
-                None, None, None, None)  # fmt: skip
+                None, None, None, None, None)  # fmt: skip
 
 
 def _proportional_scale(grad: torch.Tensor, token_weight: torch.Tensor) -> torch.Tensor:
@@ -116,6 +123,8 @@ def linear_cross_entropy_per_token(
     target: torch.Tensor,
     token_weight: torch.Tensor,
     chunk_size: int | None = None,
+    *,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """Each token's cross-entropy of ``hidden @ weight.T`` against ``target``, float32 ``[...]``
     (``target``'s shape), without the full logits.
@@ -124,11 +133,15 @@ def linear_cross_entropy_per_token(
     losses reduced as ``c * sum(token_weight * loss)`` (a loss mask, any scalar ``c`` such as
     1 / tokens or a loss scale), which is what the backward accepts (anything else fails). A
     target outside ``[0, vocab)`` has no target logit (megatron's convention); weight it 0.
+
+    ``fp8=True``: the three GEMMs in FP8 with tensorwise power-of-two scales (hidden states and
+    weight E4M3, the logits' gradient E5M2; :mod:`loong_kernels.tl.linear_cross_entropy_fp8`)
+    on GPUs with FP8 tensor cores; elsewhere a float32 emulation of the same arithmetic runs.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1)
     w = token_weight.reshape(-1).to(torch.float32)
     if not h.shape[0] == t.shape[0] == w.shape[0]:
         raise ValueError(f"hidden has {h.shape[0]} tokens, target {t.shape[0]}, token_weight {w.shape[0]}")
-    losses = LinearCrossEntropyTokensFunction.apply(h, weight, t, w, chunk_size, torch.is_grad_enabled())
+    losses = LinearCrossEntropyTokensFunction.apply(h, weight, t, w, chunk_size, torch.is_grad_enabled(), fp8)
     return losses.view(target.shape)

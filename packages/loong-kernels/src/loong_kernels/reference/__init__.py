@@ -9,6 +9,7 @@ from loong_kernels.reference.linear_cross_entropy import (
     linear_cross_entropy_tokens_chunked,
     linear_cross_entropy_unfused,
 )
+from loong_kernels.reference.linear_cross_entropy_fp8 import linear_cross_entropy_tokens_fp8_chunked
 from loong_kernels.reference.rms_norm import rms_norm_bwd, rms_norm_fwd
 from loong_kernels.reference.swiglu import swiglu_bwd, swiglu_fwd
 
@@ -16,6 +17,7 @@ __all__ = [
     "dsa",
     "linear_cross_entropy_chunked",
     "linear_cross_entropy_tokens_chunked",
+    "linear_cross_entropy_tokens_fp8_chunked",
     "linear_cross_entropy_unfused",
     "rms_norm_bwd",
     "rms_norm_fwd",

@@ -20,6 +20,7 @@ from loong_models.foundation.config import FoundationConfig
 from loong_models.foundation.families import get_family
 from loong_models.foundation.mrope import InterleavedMultimodalRotaryEmbedding
 from loong_models.foundation.output_loss import FusedLossGPTModel, OutputLoss
+from loong_models.log import logger
 from loong_models.specs import decoder_block_spec, mtp_block_spec
 
 
@@ -161,8 +162,12 @@ def build_foundation(
     ``deepstack``: layers that add DeepStack vision features (foundation/deepstack.py)."""
     rs = cfg.rope_scaling
     spec = decoder_block_spec(config, backend=layer_backend, vp_stage=vp_stage, deepstack=deepstack)
-    model_class = FusedLossGPTModel if cfg.output_loss == OutputLoss.fused else GPTModel
-    model = model_class(
+    fused_loss = cfg.output_loss == OutputLoss.fused
+    head = {"fp8_output_layer": cfg.precision.fp8_output_layer} if fused_loss else {}
+    if head.get("fp8_output_layer") and post_process:
+        logger.info("model.foundation.precision.fp8_output_layer: the output layer's GEMMs run in FP8 "
+                    "(loong_kernels' FP8 fused loss: tensorwise E4M3, E5M2 gradients)")  # fmt: skip
+    model = (FusedLossGPTModel if fused_loss else GPTModel)(
         config=config,
         transformer_layer_spec=spec,
         mtp_block_spec=mtp_block_spec(config, spec, backend=layer_backend, vp_stage=vp_stage),
@@ -178,6 +183,7 @@ def build_foundation(
         rope_scaling=rs is not None and rs.type == "llama3",  # MLA's YaRN lives in its attention
         rope_scaling_factor=rs.factor if rs is not None else 8.0,
         vp_stage=vp_stage,
+        **head,
     )
     if cfg.mrope_interleaved:  # Qwen3-VL's frequency layout (megatron knows the block layout only)
         old = model.rotary_pos_emb

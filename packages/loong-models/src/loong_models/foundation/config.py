@@ -171,6 +171,9 @@ class FoundationConfig:
         if self.rope_scaling is not None:
             self._validate_rope_scaling(prefix)
         self.precision.validate(f"{prefix}.precision")
+        if self.precision.fp8_output_layer and self.output_loss != OutputLoss.fused:
+            raise ValueError(f"{prefix}.precision.fp8_output_layer=true needs {prefix}.output_loss=fused "
+                             "(the FP8 output layer is the fused loss's FP8 GEMMs)")  # fmt: skip
 
     def gemm_kinds(self) -> list[str]:
         """The GEMM kinds of this model's layers (loong_models.precision.GEMM_KINDS' names)."""

@@ -10,12 +10,16 @@ reduced as ``c * sum(loss_mask * loss)`` (what ``loong_parallel.masked_token_los
 megatron's schedules do, loss scale included); the loss mask therefore goes to the forward, as
 ``lm_forward_step`` passes it.
 
+``model.foundation.precision.fp8_output_layer``: the same loss with the output layer's GEMMs in
+FP8 (``linear_cross_entropy_per_token(fp8=True)``).
+
 The hook is megatron's own ``output_processor`` of ``GPTModel._postprocess``, installed by
 :class:`FusedLossGPTModel` whenever labels are given (forward and the combined-1F1B schedule plan).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -49,24 +53,27 @@ def fused_output_loss(
     output_weight: torch.Tensor | None,
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None,
+    fp8: bool = False,
     **_: Any,
 ) -> torch.Tensor:
     """megatron's ``output_processor`` contract: hidden states ``[s, b, h]`` (THD: ``[t, 1, h]``),
-    labels and loss mask ``[b, s]`` -> per-token losses ``[b, s]``, float32."""
+    labels and loss mask ``[b, s]`` -> per-token losses ``[b, s]``, float32. ``fp8``: the GEMMs in FP8."""
     weight = output_weight if output_weight is not None else output_layer.weight
     # [s, b] order, as the hidden states
     target = labels.transpose(0, 1)
     mask = torch.ones_like(target, dtype=torch.float32) if loss_mask is None else loss_mask.transpose(0, 1)
-    losses = linear_cross_entropy_per_token(hidden_states.to(weight.dtype), weight, target, mask)
+    losses = linear_cross_entropy_per_token(hidden_states.to(weight.dtype), weight, target, mask, fp8=fp8)
     return losses.transpose(0, 1).contiguous()
 
 
 class FusedLossGPTModel(GPTModel):
     """megatron's GPTModel whose last stage computes the LM loss with :func:`fused_output_loss`
-    when labels are given (logits are still returned without labels, e.g. for generation)."""
+    when labels are given (logits are still returned without labels, e.g. for generation).
+    ``fp8_output_layer``: its GEMMs in FP8."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fp8_output_layer: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.fp8_output_layer = fp8_output_layer
         blocked = [what for what, present in fused_loss_blockers(self.config).items() if present]
         if blocked:
             raise ValueError(f"model.foundation.output_loss=fused cannot run with {', '.join(blocked)}; "
@@ -75,5 +82,5 @@ class FusedLossGPTModel(GPTModel):
     def _postprocess(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         # megatron calls it with keywords only (forward and the schedule plan's post-process node)
         if kwargs.get("labels") is not None and kwargs.get("output_processor") is None:
-            kwargs["output_processor"] = fused_output_loss
+            kwargs["output_processor"] = functools.partial(fused_output_loss, fp8=self.fp8_output_layer)
         return super()._postprocess(*args, **kwargs)

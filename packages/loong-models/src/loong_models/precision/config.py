@@ -32,6 +32,12 @@ class PrecisionConfig:
     # Tokens one GEMM sees per micro-batch, the policy's lookup key; null = the run's
     # data.seq_length x train.micro_batch_size / parallel.cp
     num_tokens: int | None = None
+    # The output layer's three GEMMs (logits, and both gradients) in FP8 as well: loong_kernels'
+    # FP8 fused loss, tensorwise whatever the recipe (E4M3 hidden states and weight, E5M2
+    # gradient). Megatron keeps the LM head in BF16 on Hopper (its FP8 head is MXFP8-only); at
+    # an 8B shape cut to 4 layers it is ~38% of the GEMM FLOPs. Needs the foundation's
+    # output_loss=fused.
+    fp8_output_layer: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -51,5 +57,7 @@ class PrecisionConfig:
                                  "rejects delayed scaling; use tensorwise or blockwise, or fp8=on")  # fmt: skip
         elif self.policy is not None:
             raise ValueError(f"{prefix}.policy is only read with {prefix}.fp8=adaptive (got fp8={self.fp8})")
+        if self.fp8_output_layer and self.fp8 == FP8Mode.off:
+            raise ValueError(f"{prefix}.fp8_output_layer=true needs {prefix}.fp8=on or adaptive (the layers in FP8 first)")
         if self.num_tokens is not None and self.num_tokens < 1:
             raise ValueError(f"{prefix}.num_tokens={self.num_tokens} must be >= 1 or null (auto)")
