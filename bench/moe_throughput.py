@@ -1,14 +1,14 @@
 """Mixture-of-Experts training throughput with expert parallelism, in one run: the baseline EP
-layout, then the same with the expert-parallel all-to-all overlapped with computation (also with
-the weight gradients computed apart, megatron's delay_wgrad_compute), then with activation
-offload to host memory. Each variant is a separate torchrun job of the real train app.
+layout, then the same with the expert-parallel all-to-all overlapped with computation, then with
+activation offload to host memory (more variants: the overlap with the weight gradients computed
+apart, megatron's delay_wgrad_compute, experimental; offload at every point). Each variant is a separate torchrun job of the real train app.
 
 Default shape: qwen3-30b-a3b reduced to 4 layers (all 128 experts, top-8 routing, hidden 2048,
 GQA 32/4 heads), sequence 4096, bf16 with fp32 master weights and the distributed optimizer, the
 TE layer spec (grouped-GEMM experts) when transformer-engine is installed, alltoall dispatcher,
 EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batches per step.
 
-    python bench/moe_throughput.py                                  # 4 GPUs, the four variants
+    python bench/moe_throughput.py                                  # 4 GPUs, the default three variants
     python bench/moe_throughput.py --gpus 2 --layers 8
     python bench/moe_throughput.py --variants baseline a2a-overlap --extra parallel.moe_token_dispatcher=alltoall
     python bench/moe_throughput.py --mbs 2 --variants baseline offload offload-all   # where activations weigh
@@ -46,7 +46,8 @@ VARIANTS: dict[str, list[str]] = {
     "offload-all": ["parallel.offload_activations=[attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,expert_fc1,moe_act]"],
 }
 
-DEFAULT_VARIANTS = ["baseline", "a2a-overlap", "a2a-overlap-dw", "offload"]
+# a2a-overlap-dw is left out: it stopped on non-finite gradients at this shape (loong-parallel README)
+DEFAULT_VARIANTS = ["baseline", "a2a-overlap", "offload"]
 
 
 @dataclass(frozen=True)

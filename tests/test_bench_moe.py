@@ -16,7 +16,7 @@ _spec.loader.exec_module(bench)
 def test_defaults_are_the_issue_shape():
     args = bench.parse_args([])
     assert (args.model, args.layers, args.seq, args.gpus, args.ep) == ("qwen3-30b-a3b", 4, 4096, 4, 4)
-    assert args.variants == ["baseline", "a2a-overlap", "a2a-overlap-dw", "offload"]
+    assert args.variants == ["baseline", "a2a-overlap", "offload"]
     f = bench.foundation(args)
     assert (f.num_layers, f.moe.num_experts, f.moe.router_topk) == (4, 128, 8)
 

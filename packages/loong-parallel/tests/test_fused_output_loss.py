@@ -44,9 +44,10 @@ def _batches(packed: bool) -> list[dict]:
     return out
 
 
-def _train(output_loss: str, *, tied: bool, packed: bool, wgrad_fusion: bool = False, fp8_output_layer: bool = False):
+def _train(output_loss: str, *, tied: bool, packed: bool, wgrad_fusion: bool = False, fp8_output_layer: bool = False,
+           chunk_tokens: int | None = None):  # fmt: skip
     """STEPS fp32 steps on the CPU (local layers): losses, each step's main_grads, final weights."""
-    f = dataclasses.replace(F, tie_word_embeddings=tied, output_loss=output_loss)
+    f = dataclasses.replace(F, tie_word_embeddings=tied, output_loss=output_loss, output_loss_chunk_tokens=chunk_tokens)
     if fp8_output_layer:  # the layers' FP8 needs TE on a GPU; the output layer's FP8 loss runs its emulation here
         f = dataclasses.replace(f, precision=PrecisionConfig(fp8="on", fp8_output_layer=True))
     f.validate()
@@ -165,3 +166,24 @@ def test_the_fused_loss_with_multi_token_prediction_is_refused_naming_the_key():
         r"model.foundation.mtp_num_layers=1",
     ):
         f.validate()
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(output_loss_chunk_tokens=64), r"output_loss_chunk_tokens is only read with model.foundation.output_loss=fused"),
+    (dict(output_loss="fused", output_loss_chunk_tokens=100), r"output_loss_chunk_tokens=100: expected a multiple of 16"),
+])  # fmt: skip
+def test_a_bad_chunk_size_of_the_fused_loss_is_refused_naming_the_key(fields, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(F, **fields).validate()
+
+
+def test_the_chunk_size_reaches_the_fused_loss_and_keeps_its_result(megatron_cpu):
+    base_losses, base_grads, _, _ = _train("fused", tied=True, packed=False)
+    chunked = dataclasses.replace(F, output_loss="fused", tie_word_embeddings=True, output_loss_chunk_tokens=16)
+    config = build_transformer_config(chunked, use_cpu_initialization=True)
+    model = build_model(ModelConfig(chunked, layer_backend="local"), config, device_type="cpu")
+    assert model.chunk_tokens == 16  # 24-token sequences: two chunks, the last one partial
+    losses, grads, _, _ = _train("fused", tied=True, packed=False, chunk_tokens=16)
+    assert losses == pytest.approx(base_losses, rel=1e-5, abs=0)
+    for name, value in base_grads[-1].items():
+        torch.testing.assert_close(grads[-1][name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -163,7 +163,7 @@ def build_foundation(
     rs = cfg.rope_scaling
     spec = decoder_block_spec(config, backend=layer_backend, vp_stage=vp_stage, deepstack=deepstack)
     fused_loss = cfg.output_loss == OutputLoss.fused
-    head = {"fp8_output_layer": cfg.precision.fp8_output_layer} if fused_loss else {}
+    head = {"fp8_output_layer": cfg.precision.fp8_output_layer, "chunk_tokens": cfg.output_loss_chunk_tokens} if fused_loss else {}
     if head.get("fp8_output_layer") and post_process:
         logger.info("model.foundation.precision.fp8_output_layer: the output layer's GEMMs run in FP8 "
                     "(loong_kernels' FP8 fused loss: tensorwise E4M3, E5M2 gradients)")  # fmt: skip

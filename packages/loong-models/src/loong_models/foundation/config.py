@@ -118,6 +118,10 @@ class FoundationConfig:
     # cross-entropy) or fused (loong_kernels' linear + cross-entropy per token chunk: no full
     # logits; TP = PP = CP = 1, no sequence parallelism, no MTP). See foundation/output_loss.py.
     output_loss: OutputLoss = OutputLoss.megatron
+    # output_loss=fused: tokens per chunk of logits; null = the kernel's default (512 MiB of bf16
+    # logits, 1 GiB with the FP8 output layer). Larger chunks cost memory and save passes over dW
+    # (each chunk reads and writes the whole weight gradient once).
+    output_loss_chunk_tokens: int | None = None
     # FP8 of the TE linears: off | on | adaptive (per GEMM kind, from a measured policy file)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     extra: dict = field(default_factory=dict)  # family-specific knobs, passed to TransformerConfig
@@ -164,6 +168,12 @@ class FoundationConfig:
         if self.output_loss == OutputLoss.fused and self.mtp_num_layers:
             raise ValueError(f"{prefix}.output_loss=fused cannot run with {prefix}.mtp_num_layers={self.mtp_num_layers} "
                              "(megatron's MTP loss reads the output layer's logits); use output_loss=megatron")  # fmt: skip
+        if self.output_loss_chunk_tokens is not None:
+            if self.output_loss != OutputLoss.fused:
+                raise ValueError(f"{prefix}.output_loss_chunk_tokens is only read with {prefix}.output_loss=fused")
+            if self.output_loss_chunk_tokens < 16 or self.output_loss_chunk_tokens % 16:
+                raise ValueError(f"{prefix}.output_loss_chunk_tokens={self.output_loss_chunk_tokens}: expected a "
+                                 "multiple of 16 (the FP8 GEMMs' granularity), or null for the default")  # fmt: skip
         if self.mtp_loss_scaling_factor < 0:
             raise ValueError(f"{prefix}.mtp_loss_scaling_factor={self.mtp_loss_scaling_factor}; expected >= 0")
         if self.embedding_init_std is not None:

@@ -54,26 +54,30 @@ def fused_output_loss(
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None,
     fp8: bool = False,
+    chunk_size: int | None = None,
     **_: Any,
 ) -> torch.Tensor:
     """megatron's ``output_processor`` contract: hidden states ``[s, b, h]`` (THD: ``[t, 1, h]``),
-    labels and loss mask ``[b, s]`` -> per-token losses ``[b, s]``, float32. ``fp8``: the GEMMs in FP8."""
+    labels and loss mask ``[b, s]`` -> per-token losses ``[b, s]``, float32. ``fp8``: the GEMMs in FP8; ``chunk_size``: tokens per
+    chunk of logits (None: the kernel's default)."""
     weight = output_weight if output_weight is not None else output_layer.weight
     # [s, b] order, as the hidden states
     target = labels.transpose(0, 1)
     mask = torch.ones_like(target, dtype=torch.float32) if loss_mask is None else loss_mask.transpose(0, 1)
-    losses = linear_cross_entropy_per_token(hidden_states.to(weight.dtype), weight, target, mask, fp8=fp8)
+    losses = linear_cross_entropy_per_token(hidden_states.to(weight.dtype), weight, target, mask, chunk_size, fp8=fp8)
     return losses.transpose(0, 1).contiguous()
 
 
 class FusedLossGPTModel(GPTModel):
     """megatron's GPTModel whose last stage computes the LM loss with :func:`fused_output_loss`
     when labels are given (logits are still returned without labels, e.g. for generation).
-    ``fp8_output_layer``: its GEMMs in FP8."""
+    ``fp8_output_layer``: its GEMMs in FP8; ``chunk_tokens``: tokens per chunk of logits."""
 
-    def __init__(self, *args: Any, fp8_output_layer: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fp8_output_layer: bool = False, chunk_tokens: int | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.fp8_output_layer = fp8_output_layer
+        self.chunk_tokens = chunk_tokens
         blocked = [what for what, present in fused_loss_blockers(self.config).items() if present]
         if blocked:
             raise ValueError(f"model.foundation.output_loss=fused cannot run with {', '.join(blocked)}; "
@@ -82,5 +86,6 @@ class FusedLossGPTModel(GPTModel):
     def _postprocess(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         # megatron calls it with keywords only (forward and the schedule plan's post-process node)
         if kwargs.get("labels") is not None and kwargs.get("output_processor") is None:
-            kwargs["output_processor"] = functools.partial(fused_output_loss, fp8=self.fp8_output_layer)
+            kwargs["output_processor"] = functools.partial(fused_output_loss, fp8=self.fp8_output_layer,
+                                                           chunk_size=self.chunk_tokens)
         return super()._postprocess(*args, **kwargs)
