@@ -70,8 +70,12 @@ def test_fp8_gemms_give_the_float32_emulation(n, dim, vocab, chunk):
     for losses in (fast[0], got):
         assert (losses - ref[0]).abs().max() <= 1.01 * step
         torch.testing.assert_close((losses * weight).sum(), (ref[0] * weight).sum(), atol=2e-3, rtol=0)
+    # a logit's flipped bf16 rounding can flip an E5M2 rounding of its gradient (steps 25% apart):
+    # a few entries differ by a step (0.1% of them on an H100), the whole stays within 5%
     for a, b in zip(fast[1:], ref[1:], strict=True):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2 * b.float().abs().max().item(), rtol=0)
+        a, b = a.float().flatten(), b.float().flatten()
+        assert (a - b).norm() <= 5e-2 * b.norm()
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
 
 
 def test_widths_that_cublaslt_fp8_gemms_cannot_take_run_the_emulation():
