@@ -5,6 +5,7 @@ both must run rank 0's choice; with megatron-core's parallel state at PP=2, each
 ``rank R [world|pp=2]: local X, chosen Y by Z``."""
 
 import os
+from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -27,13 +28,15 @@ def main() -> None:
     try:
         tuner = Autotuner(iters=5)
         chosen = tuner.pick("k", steps, reference="a", check=rel_diff, tol=1e-5)
-        print(f"rank {rank} world: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}", flush=True)
+        report = [f"rank {rank} world: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}"]
         with redirect_cuda(get_accelerator("cpu")):
             mpu.initialize_model_parallel(1, 2)
             tuner = Autotuner(iters=5)
             chosen = tuner.pick("k", steps, reference="a", check=rel_diff, tol=1e-5)
-            print(f"rank {rank} pp=2: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}", flush=True)
+            report.append(f"rank {rank} pp=2: local {local}, chosen {chosen} by {tuner.cache['k'].decided_by}")
             mpu.destroy_model_parallel()
+        # a file per rank: two processes' lines on one stdout pipe can interleave
+        Path(os.environ["AUTOTUNE_REPORT_DIR"], f"rank{rank}.txt").write_text("\n".join(report) + "\n")
     finally:
         dist.destroy_process_group()
 

@@ -159,12 +159,14 @@ def test_on_the_cpu_only_the_reference_runs_so_nothing_is_timed_and_the_op_still
     assert dispatch.current_dispatcher() is not chooser  # the block's dispatcher is gone after it
 
 
-def test_every_rank_runs_rank_0s_choice_even_where_its_own_timing_differs_and_pipeline_stages_decide_alone():
+def test_every_rank_runs_rank_0s_choice_even_where_its_own_timing_differs_and_pipeline_stages_decide_alone(tmp_path):
     worker = Path(__file__).with_name("autotune_ranks_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launch_env())
+    env = {**launch_env(), "AUTOTUNE_REPORT_DIR": str(tmp_path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if line.startswith("rank "))
+    reports = [line for rank in (0, 1) for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines()]
+    lines = dict(line.split(": ", 1) for line in reports)
     chosen = {key: line.split("chosen ")[1] for key, line in lines.items()}
     # rank 0's "a" is the fast one and rank 1's "b" (the timing tests above show the winner
     # follows the speed), yet both ranks run rank 0's choice; at PP=2 the two ranks are different
