@@ -130,3 +130,17 @@ def test_per_token_losses_without_grad_mode_compute_no_gradients():
         losses = linear_cross_entropy_per_token(h, w, t, torch.ones(t.shape[0]))
     assert losses.grad_fn is None
     torch.testing.assert_close(losses, _per_token_formula(h, w, t).detach())
+
+
+def test_the_reference_caps_a_chunk_size_meant_for_the_kernel_at_its_own_default(monkeypatch):
+    from loong_kernels.reference import linear_cross_entropy as ref
+
+    n, dim, vocab = 64, 8, 2000
+    monkeypatch.setattr(ref, "_CHUNK_LOGIT_BYTES", 16 * vocab * 4)  # a default of 16 tokens
+    h, w, t = _data(n=n, dim=dim, vocab=vocab, dtype=torch.float32)
+    with torch.no_grad(), _LargestTensor() as capped:
+        got = ref.linear_cross_entropy_tokens_chunked(h, w, t, torch.ones(n), 8192, True, True)
+    assert capped.largest <= max(16 * vocab * 4, w.numel() * 4) < n * vocab * 4
+    want = ref.linear_cross_entropy_tokens_chunked(h.detach(), w.detach(), t, torch.ones(n), 16, True, True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

@@ -71,7 +71,9 @@ def linear_cross_entropy_tokens_chunked(
     w.r.t. hidden and weight. A target outside ``[0, vocab)`` has no target logit (its loss is the
     logsumexp, as in megatron's vocab-parallel cross-entropy); give it scale 0 to ignore it."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
-    chunk = chunk_size or default_chunk_size(vocab)
+    # at most the default: a chunk size chosen for the bf16 kernel (e.g. output_loss_chunk_tokens=8192)
+    # would be 4 GiB of float32 logits here, and the autotuner runs this reference on the same call
+    chunk = min(chunk_size or default_chunk_size(vocab), default_chunk_size(vocab))
     in_vocab = (target >= 0) & (target < vocab)
     safe_target = torch.where(in_vocab, target, 0)
     losses = torch.empty(n_tokens, dtype=acc_dtype(hidden), device=hidden.device)
