@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 
 from loong_kernels.reference.fp8 import E4M3, E5M2, abs_max, pow2_scale, quantize
+from loong_kernels.reference.linear_cross_entropy import default_chunk_size
 
 # where the largest gradient entry lands: half E5M2's range, room for the rounding of p <= 1
 GRADIENT_TARGET = 2.0**15
-# float32 logits of one chunk: vocab 128K gives 512-token chunks
-_CHUNK_LOGIT_BYTES = 256 * 2**20
 
 
 def dequantized(x: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
@@ -48,7 +47,7 @@ def linear_cross_entropy_tokens_fp8_chunked(
     """Same contract as :func:`loong_kernels.reference.linear_cross_entropy.linear_cross_entropy_tokens_chunked`,
     with the three GEMMs in FP8 (tensorwise scales)."""
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
-    chunk = chunk_size or max(1, _CHUNK_LOGIT_BYTES // (4 * vocab))
+    chunk = chunk_size or default_chunk_size(vocab)  # float32 logits, as the bf16 reference's
     in_vocab = (target >= 0) & (target < vocab)
     safe_target = torch.where(in_vocab, target, 0)
     h_scale = pow2_scale(abs_max(hidden), E4M3)

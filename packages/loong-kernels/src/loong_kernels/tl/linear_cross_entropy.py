@@ -179,9 +179,7 @@ def chunked_tokens_with(
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     chunk = min(chunk_size or default_chunk_size(vocab), max(n_tokens, 1))
     need_grad = need_grad_hidden or need_grad_weight
-    in_vocab = (target >= 0) & (target < vocab)
-    # a row without a target reads column 0 for its target logit: 0 in the loss, p0 * scale kept
-    index = torch.where(in_vocab, target, 0).long()[:, None]
+    in_vocab, index = target_index(target, vocab)
     scale = scale.to(torch.float32)
     losses = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
@@ -200,13 +198,9 @@ def chunked_tokens_with(
         if side is not None:
             side.release(i % len(buffers))  # its gradient GEMMs two chunks ago are done
         torch.mm(h, weight.t(), out=lg)
-        picked = lg.gather(1, idx).squeeze(1).float()
-        kernel(lg, sc, ls)
-        losses[start:end] = ls - torch.where(ok, picked, 0.0)
+        losses[start:end] = chunk_losses(kernel, lg, sc, idx, ok, ls, need_grad)
         if not need_grad:
             continue
-        # the kernel left softmax * scale; the target's entry is (p - 1) * scale, from its float32 p
-        lg.scatter_(1, idx, ((torch.exp(picked - ls) - ok.float()) * sc).to(lg.dtype)[:, None])
         gemms = functools.partial(_gradient_gemms, h, lg, weight, grad_hidden, grad_weight, start, end)
         if side is not None:
             side.run(gemms, i % len(buffers))
@@ -215,6 +209,33 @@ def chunked_tokens_with(
     if side is not None:
         side.join()
     return losses, grad_hidden, grad_weight
+
+
+def target_index(target: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens have a target logit, and the column each reads ``[tokens, 1]``: a row without a
+    target reads column 0 (0 in its loss, its p0 * scale kept in the gradient)."""
+    in_vocab = (target >= 0) & (target < vocab)
+    return in_vocab, torch.where(in_vocab, target, 0).long()[:, None]
+
+
+def chunk_losses(
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any],
+    logits: torch.Tensor,
+    scale: torch.Tensor,
+    index: torch.Tensor,
+    in_vocab: torch.Tensor,
+    lse: torch.Tensor,
+    write_grad: bool,
+) -> torch.Tensor:
+    """One chunk of logits through ``kernel`` (:func:`build_ce`'s, built with ``write_grad``): each
+    token's loss, and with ``write_grad`` the logits turned in place into the gradient of
+    ``sum(scale * loss)``."""
+    picked = logits.gather(1, index).squeeze(1).float()
+    kernel(logits, scale, lse)
+    if write_grad:
+        # the kernel left softmax * scale; the target's entry is (p - 1) * scale, from its float32 p
+        logits.scatter_(1, index, ((torch.exp(picked - lse) - in_vocab.float()) * scale).to(logits.dtype)[:, None])
+    return lse - torch.where(in_vocab, picked, 0.0)
 
 
 class _SideStream:

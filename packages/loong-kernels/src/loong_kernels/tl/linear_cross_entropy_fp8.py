@@ -23,7 +23,7 @@ import torch
 from loong_kernels.reference.fp8 import E4M3, E5M2, abs_max, pow2_scale
 from loong_kernels.reference.linear_cross_entropy_fp8 import gradient_scale
 from loong_kernels.tl._common import compile_kernel, dtype_name
-from loong_kernels.tl.linear_cross_entropy import build_ce
+from loong_kernels.tl.linear_cross_entropy import build_ce, chunk_losses, target_index
 
 # bf16 logits of one chunk: vocab 128K gives 4096-token chunks. Larger than the bf16 version's:
 # each chunk writes a weight-sized dW part that is then added (an FP8 GEMM cannot accumulate)
@@ -103,11 +103,11 @@ def linear_cross_entropy_tokens_fp8(
     return chunked_tokens_fp8_with(kernel, tilelang_cast_transpose, *args)
 
 
-def _pad_rows(x: torch.Tensor, rows: int, value: float = 0) -> torch.Tensor:
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero (False) rows appended up to ``rows``."""
     if x.shape[0] == rows:
         return x
-    pad = x.new_full((rows - x.shape[0], *x.shape[1:]), value)
-    return torch.cat([x, pad])
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
 def chunked_tokens_fp8_with(
@@ -129,8 +129,7 @@ def chunked_tokens_fp8_with(
     padded = -(-n_tokens // _ALIGN) * _ALIGN
     chunk = -(-min(chunk_size or default_chunk_size(vocab), max(padded, _ALIGN)) // _ALIGN) * _ALIGN
     h_all = _pad_rows(hidden, padded)
-    in_vocab = _pad_rows((target >= 0) & (target < vocab), padded, False)
-    index = _pad_rows(torch.where(in_vocab[:n_tokens], target, 0).long(), padded)[:, None]
+    in_vocab, index = (_pad_rows(x, padded) for x in target_index(target, vocab))
     scale = _pad_rows(scale.to(torch.float32), padded)
     s_h = pow2_scale(abs_max(h_all), E4M3)
     s_w = pow2_scale(abs_max(weight), E4M3)
@@ -151,13 +150,9 @@ def chunked_tokens_fp8_with(
         lg, ls = logits[: end - start], lse[: end - start]
         h8, h8t = cast_transpose(h_all[start:end], s_h, E4M3)
         torch._scaled_mm(h8, w8.t(), dequant["h"], dequant["w"], out_dtype=lg.dtype, out=lg)
-        picked = lg.gather(1, idx).squeeze(1).float()
-        kernel(lg, sc, ls)
-        losses[start:end] = ls - torch.where(ok, picked, 0.0)
+        losses[start:end] = chunk_losses(kernel, lg, sc, idx, ok, ls, need_grad)
         if not need_grad:
             continue
-        # the kernel left softmax * scale; the target's entry is (p - 1) * scale, from its float32 p
-        lg.scatter_(1, idx, ((torch.exp(picked - ls) - ok.float()) * sc).to(lg.dtype)[:, None])
         g8, g8t = cast_transpose(lg, s_g, E5M2)
         if grad_hidden is not None:
             torch._scaled_mm(g8, w8t.t(), dequant["g"], dequant["w"], out_dtype=hidden.dtype, out=grad_hidden[start:end])

@@ -58,8 +58,8 @@ def fused_output_loss(
     **_: Any,
 ) -> torch.Tensor:
     """megatron's ``output_processor`` contract: hidden states ``[s, b, h]`` (THD: ``[t, 1, h]``),
-    labels and loss mask ``[b, s]`` -> per-token losses ``[b, s]``, float32. ``fp8``: the GEMMs in FP8; ``chunk_size``: tokens per
-    chunk of logits (None: the kernel's default)."""
+    labels and loss mask ``[b, s]`` -> per-token losses ``[b, s]``, float32. ``fp8``: the GEMMs
+    in FP8; ``chunk_size``: tokens per chunk of logits (None: the kernel's default)."""
     weight = output_weight if output_weight is not None else output_layer.weight
     # [s, b] order, as the hidden states
     target = labels.transpose(0, 1)
