@@ -138,6 +138,11 @@ def run_variant(args, variant: str, workdir: Path, f) -> Result:
     # printed as each variant ends: a run cut short by a time limit keeps the variants that finished
     print(f"   median step {step_s:.3f}s, {tps:,.0f} tokens/s/GPU, peak {peak:.2f} GiB (rank 0), "
           f"load imbalance (max/mean) {imbalance:.2f} (first steps {first})", flush=True)  # fmt: skip
+    # the variants train the same samples from the same weights: their losses and gradient norms
+    # should agree step by step up to bf16 rounding of another execution order
+    print(f"   loss by step {[round(r['loss'], 4) for r in rows]}", flush=True)
+    print(f"   grad norm by step {[None if r.get('grad_norm') is None else round(r['grad_norm'], 4) for r in rows]}",
+          flush=True)  # fmt: skip
     return Result(variant, step_s, tps, mfu(f, args.seq, tps), peak)
 
 

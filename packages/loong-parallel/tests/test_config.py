@@ -122,6 +122,15 @@ def test_delayed_weight_gradients_become_megatrons_field_which_megatron_accepts_
     assert not plain["delay_wgrad_compute"]
 
 
+def test_delayed_weight_gradients_tell_megatrons_ddp_to_hook_the_modules_backward_dw():
+    # without it DDP hooks the weights' AccumulateGrad nodes, which run before backward_dw has
+    # computed anything: megatron's DDP reads its own delay_wgrad_compute, not the layers'
+    from loong_parallel.model import ddp_config_for
+
+    assert ddp_config_for(ParallelConfig(ep=2, moe_a2a_overlap=True, moe_delay_wgrad=True)).delay_wgrad_compute
+    assert not ddp_config_for(ParallelConfig(ep=2, moe_a2a_overlap=True)).delay_wgrad_compute
+
+
 @pytest.mark.parametrize(
     "cls, fields, allowed",
     [

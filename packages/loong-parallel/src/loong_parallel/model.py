@@ -46,13 +46,7 @@ def build_model_chunks(
     if wgrad_fusion_on(pcfg, accel):
         for chunk in chunks:
             fuse_wgrad_accumulation(chunk, required=pcfg.wgrad_fusion is True)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=pcfg.grad_reduce_in_fp32,
-        overlap_grad_reduce=pcfg.overlap_grad_reduce,
-        overlap_param_gather=pcfg.overlap_param_gather,
-        use_distributed_optimizer=pcfg.distributed_optimizer,
-        bucket_size=pcfg.ddp_bucket_size,
-    )
+    ddp_config = ddp_config_for(pcfg)
     wrapped = [
         # Only the first chunk buckets: megatron's recipe, so that later chunks' reductions
         # do not wait on buckets of chunks whose backward has not run yet.
@@ -72,6 +66,24 @@ def build_model_chunks(
         param_sync = [c.start_param_sync for c in wrapped]
         config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
     return wrapped
+
+
+def ddp_config_for(pcfg: ParallelConfig) -> DistributedDataParallelConfig:
+    """megatron's DDP settings for this parallel layout."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=pcfg.grad_reduce_in_fp32,
+        overlap_grad_reduce=pcfg.overlap_grad_reduce,
+        overlap_param_gather=pcfg.overlap_param_gather,
+        use_distributed_optimizer=pcfg.distributed_optimizer,
+        bucket_size=pcfg.ddp_bucket_size,
+        # With delayed weight gradients, TE's backward leaves a linear's weight gradient for
+        # backward_dw (None, or an unwritten buffer for grouped experts without the wgrad fusion)
+        # and marks the weight skip_backward_post_hook. Only with this flag does DDP hook those
+        # modules' backward_dw instead of the weights' AccumulateGrad nodes; without it the
+        # AccumulateGrad hook adds that buffer into main_grad (the non-finite gradients at
+        # Qwen3-30B-A3B EP=4) and the gradients backward_dw computes are never added.
+        delay_wgrad_compute=pcfg.moe_delay_wgrad,
+    )
 
 
 def wgrad_fusion_on(pcfg: ParallelConfig, accel: Accelerator) -> bool:
