@@ -66,6 +66,7 @@ def test_cuda_backend_patches_only_the_apex_stand_in_and_megatron_corrections():
                                    "megatron.core.transformer.multi_latent_attention:MLASelfAttention._qkv_down_projection",
                                    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel."
                                    "loong_drop_grad_accumulation_hooks",
+                                   "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.scale_gradients",
                                    "megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
                                    "megatron.core.optimizer.optimizer:ChainedOptimizer.step_with_ready_grads",
                                    "megatron.core.transformer.experimental_attention_variant.absorbed_mla:"

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from loong_kernels.dispatch import call_with, choose, choose_op
+from loong_xpu.grad_scale import scale_by_device_scalar_
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -99,8 +100,9 @@ class LinearCrossEntropyTokensFunction(torch.autograd.Function):
         ctx.has = None
         c = _proportional_scale(dlosses.float(), token_weight.float())
         # dh and dW are the forward's (the logits are gone), scaled in place: no second weight-sized buffer
-        return (None if dh is None else dh.mul_(c.to(dh.dtype)), None if dw is None else dw.mul_(c.to(dw.dtype)),
-                None, None, None, None, None)  # fmt: skip
+        # (one multi-tensor kernel: a 0-dim device tensor in mul_ takes TensorIterator's unvectorised path)
+        scale_by_device_scalar_([g for g in (dh, dw) if g is not None], c)
+        return dh, dw, None, None, None, None, None
 
 
 def _proportional_scale(grad: torch.Tensor, token_weight: torch.Tensor) -> torch.Tensor:
