@@ -221,3 +221,76 @@ def test_dispatch_picks_loongs_indexer_top_k_over_megatron_cores_at_8k_and_all_t
         cu = torch.tensor([0, n // 4, n], device="cuda")
         assert missed_fraction([lk.lightning_indexer_topk(q_i, k_i, w, topk, cu)], [ours]) == 0.0
     assert chooser.autotuner.cache.keys() == {decision.key}
+
+
+@pytest.mark.parametrize(("seq", "batch", "groups", "heads", "d"), [(4096, 2, 8, 4, 64), (333, 3, 4, 7, 128)])
+def test_qkv_rope_against_the_reference_and_transformer_engines_kernel(seq, batch, groups, heads, d):
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    half = torch.outer(torch.arange(seq, device="cuda", dtype=torch.float32), inv)
+    freqs = torch.cat([half, half], dim=-1)[:, None, None, :]
+    qkv = torch.randn(seq, batch, groups, (heads + 2) * d, device="cuda", dtype=BF16)
+    (o1, g1), (o2, g2) = _both(lambda x: lk.qkv_rope(x, freqs, freqs, heads), qkv)
+    # one bf16 rounding of a float32 rotation on both sides
+    _close(o1, o2, atol=2e-2, rtol=1e-2)
+    _close(g1, g2, atol=2e-2, rtol=1e-2)
+    te_rope = pytest.importorskip("transformer_engine.pytorch.attention.rope")
+    x = qkv.detach().clone().requires_grad_()
+    te = te_rope.apply_fused_qkv_rotary_pos_emb(x, freqs, freqs, [heads * d, d, d])
+    _close(o1, te, atol=2e-2, rtol=1e-2)
+    sum((o.float() * torch.linspace(-1, 1, o.numel(), device="cuda").view_as(o)).sum() for o in te).backward()
+    _close(g1, [x.grad], atol=2e-2, rtol=1e-2)
+
+
+def test_qkv_rope_is_faster_than_transformer_engines_kernel_at_llama_1b_micro_batch_12():
+    te_rope = pytest.importorskip("transformer_engine.pytorch.attention.rope")
+    seq, batch, groups, heads, d = 4096, 12, 8, 4, 64
+    inv = 1.0 / 500000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    half = torch.outer(torch.arange(seq, device="cuda", dtype=torch.float32), inv)
+    freqs = torch.cat([half, half], dim=-1)[:, None, None, :]
+    qkv = torch.randn(seq, batch, groups, (heads + 2) * d, device="cuda", dtype=BF16, requires_grad=True)
+    grads = [torch.randn(seq, batch, groups * heads, d, device="cuda", dtype=BF16),
+             torch.randn(seq, batch, groups, d, device="cuda", dtype=BF16), torch.randn(seq, batch, groups, d, device="cuda", dtype=BF16)]
+    fns = {"loong": lambda: lk.qkv_rope(qkv, freqs, freqs, heads),
+           "te": lambda: te_rope.apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [heads * d, d, d])}  # fmt: skip
+    times = {}
+    with use_implementation("tilelang"):
+        for name, fn in fns.items():
+            for phase in ("fwd", "fwd+bwd"):
+                for _ in range(3):
+                    out = fn()
+                    if phase == "fwd+bwd":
+                        torch.autograd.backward(out, grads)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    out = fn()
+                    if phase == "fwd+bwd":
+                        torch.autograd.backward(out, grads)
+                end.record()
+                torch.cuda.synchronize()
+                times[name, phase] = start.elapsed_time(end) / 20
+    print("qkv_rope at 4096 x 12 x 8 groups x (4 + 2) x 64:",
+          ", ".join(f"{n} {p} {t:.3f} ms" for (n, p), t in times.items()))  # fmt: skip
+    assert times["loong", "fwd+bwd"] < times["te", "fwd+bwd"]
+
+
+def test_megatrons_fused_qkv_rope_call_runs_this_kernel_where_it_can_and_te_elsewhere():
+    te_rope = pytest.importorskip("transformer_engine.pytorch.attention.rope")
+    from loong_xpu.qkv_rope import (
+        apply_fused_qkv_rotary_pos_emb,  # what loong_xpu's manifest binds in megatron
+    )
+
+    seq, heads, d = 256, 4, 64
+    half = torch.outer(torch.arange(seq, device="cuda", dtype=torch.float32), torch.rand(d // 2, device="cuda"))
+    freqs = torch.cat([half, half], dim=-1)[:, None, None, :]
+    qkv = torch.randn(seq, 2, 8, (heads + 2) * d, device="cuda", dtype=BF16)
+    split = [heads * d, d, d]
+    te = te_rope.apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split)
+    with use_implementation("reference"):  # loong-kernels would run its torch reference: TE's kernel runs instead
+        assert all(torch.equal(a, b) for a, b in zip(apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split), te))
+    from loong_kernels.ops.qkv_rope import qkv_rope_uses_tilelang
+
+    assert qkv_rope_uses_tilelang(qkv, heads)
+    _close(apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split), te, atol=2e-2, rtol=1e-2)
+    interleaved = apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, interleaved=True)  # not ours: TE's
+    assert all(torch.equal(a, b) for a, b in zip(interleaved, te_rope.apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, split, interleaved=True)))

@@ -33,6 +33,11 @@ CASES = [
     ("indexer", "build_scores", (16, 32, "bfloat16")),
     ("indexer", "build_topk_logits_fwd", (16, 32, 128, "bfloat16")),
     ("indexer", "build_topk_logits_bwd", (16, 32, 128, "bfloat16")),
+    # llama3.2-1b's QKV rows (8 groups of 4 query heads of 64, micro-batch 12: 96 rows a position) and Qwen's 128-wide heads
+    ("qkv_rope", "build_fwd", (4, 64, 96, "bfloat16")),
+    ("qkv_rope", "build_bwd", (4, 64, 96, "bfloat16")),
+    ("qkv_rope", "build_fwd", (7, 128, 4, "float16")),
+    ("qkv_rope", "build_bwd", (7, 128, 4, "float16")),
     # llama3's vocab (62 full tiles and a tail) and one smaller than a tile, loss only
     ("linear_cross_entropy", "build_ce", (128256, "bfloat16", True)),
     ("linear_cross_entropy", "build_ce", (1000, "float16", False)),

@@ -24,14 +24,14 @@ pytestmark = [
 SEQ, BATCH = 128, 2
 
 
-def _run(fused: bool, weights: dict | None):
+def _run(fused: bool, weights: dict | None, dtype: torch.dtype = torch.float32):
     # llama3.2-1b's attention (GQA 32/8, head dim 64, llama3 RoPE scaling) on a narrow, shallow model
     cfg = load_model_config("llama3.2-1b", ["foundation.num_layers=2", "foundation.hidden_size=256",
                                             "foundation.ffn_hidden_size=512", "foundation.num_attention_heads=4",
                                             "foundation.num_query_groups=2", "foundation.vocab_size=512",
                                             f"+fused_qkv_rope={str(fused).lower()}"])  # fmt: skip
     kind, pcfg = LanguageModel.from_config(cfg, "cuda"), ParallelConfig()
-    config = kind.transformer_config(pcfg, dtype=torch.float32, device_type="cuda")
+    config = kind.transformer_config(pcfg, dtype=dtype, device_type="cuda")
     assert config.fused_single_qkv_rope is fused and config.apply_rope_fusion
     torch.manual_seed(0)
     (chunk,) = build_model_chunks(kind.provider(config, pcfg, device_type="cuda"), pcfg, config,
@@ -44,7 +44,7 @@ def _run(fused: bool, weights: dict | None):
     out, loss_func = kind.forward_step(torch.device("cuda"))(iter([batch]), chunk)
     loss, count, _ = loss_func(out)
     (loss / count).backward()
-    grads = {n: p.main_grad.clone() for n, p in chunk.module.named_parameters()}
+    grads = {n: p.main_grad.float().clone() for n, p in chunk.module.named_parameters()}
     return chunk.state_dict(), (loss / count).detach(), grads
 
 
@@ -57,3 +57,17 @@ def test_fused_qkv_rope_gives_the_loss_and_gradients_of_the_split_rope(megatron_
         diff = (fused[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-12)
         assert diff < 1e-4, f"{name}: gradient differs by {diff:.2e} of its largest entry"
     assert any("linear_qkv" in n and g.abs().sum() > 0 for n, g in fused.items())
+
+
+def test_in_bf16_the_fused_qkv_rope_runs_loong_kernels_tilelang_kernel_with_the_split_ropes_results(megatron_cuda):
+    # in bf16 loong_xpu's manifest sends megatron's fused-QKV RoPE call to loong_kernels.qkv_rope
+    pytest.importorskip("tilelang")
+    from loong_kernels.ops.qkv_rope import qkv_rope_uses_tilelang
+
+    assert qkv_rope_uses_tilelang(torch.zeros(SEQ, BATCH, 2, 6 * 64, device="cuda", dtype=torch.bfloat16), 4)
+    weights, split_loss, split = _run(False, None, torch.bfloat16)
+    _, fused_loss, fused = _run(True, weights, torch.bfloat16)
+    torch.testing.assert_close(fused_loss, split_loss, rtol=2e-3, atol=1e-3)
+    for name, grad in split.items():  # bf16 GEMMs on inputs that may differ by one rounding
+        diff = (fused[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-12)
+        assert diff < 3e-2, f"{name}: gradient differs by {diff:.2e} of its largest entry"

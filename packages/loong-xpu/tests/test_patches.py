@@ -5,7 +5,7 @@ from loong_xpu import MANIFEST, apply_patches, get_accelerator, redirect_cuda
 from loong_xpu.patches import _resolve
 
 # names megatron binds only where TE / apex import (layers.get_dummy_wgrad, fused_weight_gradient_mlp_cuda)
-BOUND_BY_TE_OR_APEX = {"get_dummy_wgrad", "fused_weight_gradient_mlp_cuda"}
+BOUND_BY_TE_OR_APEX = {"get_dummy_wgrad", "fused_weight_gradient_mlp_cuda", "apply_fused_qkv_rotary_pos_emb"}
 ADDED_BY_LOONG = {"loong_drop_grad_accumulation_hooks"}  # a method the manifest adds to megatron's DDP
 
 
@@ -67,6 +67,7 @@ def test_cuda_backend_patches_only_the_apex_stand_in_and_megatron_corrections():
                                    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel."
                                    "loong_drop_grad_accumulation_hooks",
                                    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.scale_gradients",
+                                   "megatron.core.transformer.attention:apply_fused_qkv_rotary_pos_emb",
                                    "megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
                                    "megatron.core.optimizer.optimizer:ChainedOptimizer.step_with_ready_grads",
                                    "megatron.core.transformer.experimental_attention_variant.absorbed_mla:"

@@ -2,6 +2,7 @@
 
     from loong_kernels import rms_norm, swiglu, linear_cross_entropy, deepseek_sparse_attention
     from loong_kernels import linear_cross_entropy_per_token  # the output layer's loss in training
+    from loong_kernels import qkv_rope  # RoPE on megatron's fused QKV projection output
 
 TileLang kernels run on CUDA when ``tilelang`` is installed; everywhere else the torch
 references in :mod:`loong_kernels.reference` run. :mod:`loong_kernels.dispatch` decides.
@@ -20,6 +21,7 @@ from loong_kernels.ops.dsa import (
     sparse_mla_attention,
 )
 from loong_kernels.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_per_token
+from loong_kernels.ops.qkv_rope import qkv_rope
 from loong_kernels.ops.rms_norm import rms_norm
 from loong_kernels.ops.swiglu import swiglu
 
@@ -34,6 +36,7 @@ __all__ = [
     "lightning_indexer_topk_at",
     "linear_cross_entropy",
     "linear_cross_entropy_per_token",
+    "qkv_rope",
     "rms_norm",
     "select_topk",
     "sparse_attention_head_mean_probs",

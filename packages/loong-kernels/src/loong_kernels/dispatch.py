@@ -64,6 +64,8 @@ KERNELS: dict[str, KernelEntry] = {
     "rms_norm_bwd": KernelEntry(f"{_REF}.rms_norm:rms_norm_bwd", f"{_TL}.rms_norm:rms_norm_bwd", f"{_TL}.rms_norm:supports_bwd"),
     "swiglu_fwd": KernelEntry(f"{_REF}.swiglu:swiglu_fwd", f"{_TL}.swiglu:swiglu_fwd", f"{_TL}.swiglu:supports"),
     "swiglu_bwd": KernelEntry(f"{_REF}.swiglu:swiglu_bwd", f"{_TL}.swiglu:swiglu_bwd", f"{_TL}.swiglu:supports_bwd"),
+    "qkv_rope_fwd": KernelEntry(f"{_REF}.qkv_rope:qkv_rope_fwd", f"{_TL}.qkv_rope:qkv_rope_fwd", f"{_TL}.qkv_rope:supports"),
+    "qkv_rope_bwd": KernelEntry(f"{_REF}.qkv_rope:qkv_rope_bwd", f"{_TL}.qkv_rope:qkv_rope_bwd", f"{_TL}.qkv_rope:supports_bwd"),
     "linear_cross_entropy": KernelEntry(
         f"{_REF}.linear_cross_entropy:linear_cross_entropy_chunked",
         f"{_TL}.linear_cross_entropy:linear_cross_entropy", f"{_TL}.linear_cross_entropy:supports",
@@ -207,6 +209,12 @@ def choose(kernel: str, *args: Any) -> Implementation:
         return "tilelang"
     _log_fallback(kernel, blocker)
     return "reference"
+
+
+def runs_tilelang(kernel: str, *args: Any) -> bool:
+    """Whether :func:`call` would run ``kernel``'s TileLang version for these arguments; no
+    fallback warning (for a caller with a fast alternative of its own to the reference)."""
+    return _requested() in ("auto", "tilelang") and _tilelang_blocker(KERNELS[kernel], args) is None
 
 
 @functools.cache
