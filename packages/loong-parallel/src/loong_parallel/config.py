@@ -131,8 +131,7 @@ class ParallelConfig:
     moe_a2a_overlap: bool = False
     # With moe_a2a_overlap: TE layers compute weight gradients apart from the input gradients, so
     # the combined schedule has more work to hide the other micro-batch's all-to-all behind
-    # (megatron's delay_wgrad_compute). Experimental: non-finite gradients at Qwen3-30B-A3B EP=4
-    # with real routing on H100s (README).
+    # (megatron's delay_wgrad_compute; DDP's own flag follows, loong_parallel.model.ddp_config_for).
     moe_delay_wgrad: bool = False
     # Fine-grained activation offloading: the inputs of these modules are kept in host memory
     # between forward and backward (CUDA); empty = off.
