@@ -13,6 +13,10 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py --variants baseline a2a-overlap --extra parallel.moe_token_dispatcher=alltoall
     python bench/moe_throughput.py --mbs 2 --variants baseline offload offload-all   # where activations weigh
 
+Each variant prints its losses and gradient norms by step; the bench exits unless the variants'
+step-1 losses agree within 1e-2 (same samples, same initial weights: the data ranks of a torchrun
+job report no batch digests).
+
 MFU = (6 N + 6 L h s) * tokens/s/GPU / peak (989 TFLOP/s bf16 on H100/H200), N = the parameters
 one token uses (active: attention, router, top-k experts, embeddings), as the train app reports.
 """
@@ -57,6 +61,19 @@ class Result:
     tokens_per_s_per_gpu: float
     mfu: float
     peak_gib: float
+    first_loss: float = float("nan")  # the loss of step 1, before any update
+
+
+def check_same_samples(results: list[Result], tol: float = 1e-2) -> str:
+    """The variants train the same samples from the same initial weights, so their step-1 losses
+    (before any update) agree up to bf16 rounding of another execution order. Exits naming the
+    first variant that differs otherwise (the variants' data ranks report no batch digests)."""
+    base = results[0]
+    for r in results[1:]:
+        if not abs(r.first_loss - base.first_loss) <= tol:
+            raise SystemExit(f"not the same samples: step-1 loss of {r.variant} {r.first_loss:.4f} vs "
+                             f"{base.variant} {base.first_loss:.4f} (more than {tol} apart)")  # fmt: skip
+    return f"same samples: the step-1 losses of all {len(results)} variants agree within {tol} ({base.first_loss:.4f})"
 
 
 def mfu(f, seq: int, tokens_per_s_per_gpu: float, peak: float = PEAK) -> float:
@@ -143,7 +160,7 @@ def run_variant(args, variant: str, workdir: Path, f) -> Result:
     print(f"   loss by step {[round(r['loss'], 4) for r in rows]}", flush=True)
     print(f"   grad norm by step {[None if r.get('grad_norm') is None else round(r['grad_norm'], 4) for r in rows]}",
           flush=True)  # fmt: skip
-    return Result(variant, step_s, tps, mfu(f, args.seq, tps), peak)
+    return Result(variant, step_s, tps, mfu(f, args.seq, tps), peak, rows[0]["loss"])
 
 
 def table(args, f, results: list[Result]) -> str:
@@ -176,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda (absent)"
     print(f"\n{device}")
     print(table(args, f, results))
+    if len(results) > 1:
+        print(check_same_samples(results))
 
 
 if __name__ == "__main__":

@@ -70,3 +70,13 @@ def test_table_reports_ratios_against_the_baseline():
     ]
     text = bench.table(args, f, rows)
     assert "1.250x" in text and "1.000x" in text and "2 GPUs, EP 2" in text
+
+
+def test_variants_whose_first_losses_differ_are_not_the_same_samples():
+    rows = [bench.Result("baseline", 1.0, 1000.0, 0.1, 20.0, 12.3143), bench.Result("a2a-overlap", 0.8, 1250.0, 0.125, 21.0, 12.3143)]
+    assert "agree within 0.01 (12.3143)" in bench.check_same_samples(rows)
+    rows.append(bench.Result("offload", 1.0, 1000.0, 0.1, 18.0, 12.5))
+    with pytest.raises(SystemExit, match=r"step-1 loss of offload 12.5000 vs baseline 12.3143"):
+        bench.check_same_samples(rows)
+    with pytest.raises(SystemExit, match="nan"):  # a run without a loss cannot pass
+        bench.check_same_samples([rows[0], bench.Result("x", 1.0, 1.0, 0.1, 1.0)])
