@@ -119,3 +119,17 @@ def test_every_megatron_entry_and_tuned_op_resolves():
         assert all(k in dispatch.KERNELS for k in tuned.kernels), op
         for path in (tuned.trial, tuned.key, tuned.check):
             assert callable(dispatch._load(path)), (op, path)
+
+
+
+def test_runs_tilelang_reads_the_override_as_choose_does(monkeypatch):
+    from loong_kernels.dispatch import runs_tilelang
+
+    x, tables = torch.zeros(4, 6 * 16), torch.zeros(0, 16)
+    args = (x, tables, tables, tables, tables, 4, 1)
+    monkeypatch.setattr(dispatch, "_tilelang_blocker", lambda entry, a: None)  # as where the kernel can run
+    for override, runs in (("auto", True), ("tilelang", True), ("reference", False),
+                           ("megatron", True)):  # (qkv_rope has no megatron-core kernel: the automatic choice)  # fmt: skip
+        monkeypatch.setenv("LOONG_KERNELS_IMPL", override)
+        assert runs_tilelang("qkv_rope_fwd", *args) is runs, override
+        assert (choose("qkv_rope_fwd", *args) == "tilelang") is runs, override

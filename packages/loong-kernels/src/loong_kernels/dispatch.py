@@ -196,12 +196,18 @@ def _forced_impl(name: str, requested: str, entry: KernelEntry, args: tuple[Any,
     return requested  # type: ignore[return-value]
 
 
+def _requested_for(entry: KernelEntry) -> str:
+    """The override as it applies to this kernel."""
+    requested = _requested()
+    if requested == "megatron" and entry.megatron is None:
+        return "auto"  # the override targets the kernels megatron-core has
+    return requested
+
+
 def choose(kernel: str, *args: Any) -> Implementation:
     """Which implementation :func:`call` would run for these arguments."""
     entry = KERNELS[kernel]
-    requested = _requested()
-    if requested == "megatron" and entry.megatron is None:
-        requested = "auto"  # the override targets the kernels megatron-core has
+    requested = _requested_for(entry)
     if requested != "auto":
         return _forced_impl(kernel, requested, entry, args)
     blocker = _tilelang_blocker(entry, args)
@@ -214,7 +220,8 @@ def choose(kernel: str, *args: Any) -> Implementation:
 def runs_tilelang(kernel: str, *args: Any) -> bool:
     """Whether :func:`call` would run ``kernel``'s TileLang version for these arguments; no
     fallback warning (for a caller with a fast alternative of its own to the reference)."""
-    return _requested() in ("auto", "tilelang") and _tilelang_blocker(KERNELS[kernel], args) is None
+    entry = KERNELS[kernel]
+    return _requested_for(entry) in ("auto", "tilelang") and _tilelang_blocker(entry, args) is None
 
 
 @functools.cache
