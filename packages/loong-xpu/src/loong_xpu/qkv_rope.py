@@ -15,6 +15,7 @@ its absence means TE's kernel.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 
@@ -26,6 +27,15 @@ TARGET = "megatron.core.transformer.attention:apply_fused_qkv_rotary_pos_emb"
 def make_fused_qkv_rope(accel: object = None):
     """The function the manifest binds in megatron's attention module."""
     return apply_fused_qkv_rotary_pos_emb
+
+
+@functools.cache
+def _loong_kernels_qkv_rope():
+    """``loong_kernels.ops.qkv_rope``, or None where loong-kernels is not installed; looked up once,
+    not on every attention layer's call."""
+    if importlib.util.find_spec("loong_kernels") is None:
+        return None
+    return importlib.import_module("loong_kernels.ops.qkv_rope")
 
 
 def apply_fused_qkv_rotary_pos_emb(
@@ -43,10 +53,9 @@ def apply_fused_qkv_rotary_pos_emb(
     q_width, k_width, v_width = qkv_split_arg_list
     plain = (tensor_format == "sbhd" and start_positions is None and not interleaved and cp_size == 1
              and k_width == v_width and q_width % k_width == 0 and q_freqs.shape[-1] == k_freqs.shape[-1] == k_width)  # fmt: skip
-    if plain and importlib.util.find_spec("loong_kernels") is not None:
-        ops = importlib.import_module("loong_kernels.ops.qkv_rope")
-        if ops.qkv_rope_uses_tilelang(qkv, q_width // k_width):
-            return ops.qkv_rope(qkv, q_freqs, k_freqs, q_width // k_width)
+    ops = _loong_kernels_qkv_rope() if plain else None
+    if ops is not None and ops.qkv_rope_uses_tilelang(qkv, q_width // k_width):
+        return ops.qkv_rope(qkv, q_freqs, k_freqs, q_width // k_width)
     from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb as te_rope
 
     return te_rope(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format, start_positions, interleaved, cu_seqlens,

@@ -37,6 +37,11 @@ class QKVRoPEFunction(torch.autograd.Function):
         return call_with(impl, "qkv_rope_bwd", *args), None, None, None, None, None, None
 
 
+def _fused_qkv_layout(qkv: torch.Tensor, q_per_group: int) -> bool:
+    """``[seq, batch, groups, (q_per_group + 2) * head_dim]``."""
+    return qkv.dim() == 4 and q_per_group >= 1 and qkv.shape[-1] % (q_per_group + 2) == 0
+
+
 def _cos_sin(freqs: torch.Tensor, positions: int, head_dim: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     if freqs.shape[-1] != head_dim or freqs.numel() // head_dim < positions:
         raise ValueError(f"qkv_rope: {name} must hold at least {positions} positions of {head_dim} angles "
@@ -56,7 +61,7 @@ def qkv_rope(
     groups * q_per_group, head_dim]``, ``k`` and ``v [seq, batch, groups, head_dim]``: what TE's
     ``apply_fused_qkv_rotary_pos_emb`` returns for the sbhd format, one read and one write of each
     value, and the same gradients' layout in the backward."""
-    if qkv.dim() != 4 or q_per_group < 1 or qkv.shape[-1] % (q_per_group + 2):
+    if not _fused_qkv_layout(qkv, q_per_group):
         raise ValueError(f"qkv_rope: qkv must be [seq, batch, groups, ({q_per_group} + 2) * head_dim], "
                          f"got {tuple(qkv.shape)}")  # fmt: skip
     seq, batch, groups, width = qkv.shape
@@ -73,7 +78,7 @@ def qkv_rope(
 def qkv_rope_uses_tilelang(qkv: torch.Tensor, q_per_group: int) -> bool:
     """Whether :func:`qkv_rope` runs its TileLang kernel for this ``qkv`` (no tables are built and
     no fallback warning is logged): for a caller with a fast kernel of its own to use otherwise."""
-    if qkv.dim() != 4 or q_per_group < 1 or qkv.shape[-1] % (q_per_group + 2):
+    if not _fused_qkv_layout(qkv, q_per_group):
         return False
     tables = qkv.new_empty((0, qkv.shape[-1] // (q_per_group + 2)), dtype=torch.float32)  # (shape and dtype checks only)
     return runs_tilelang("qkv_rope_fwd", qkv.reshape(-1, qkv.shape[-1]), tables, tables, tables, tables, q_per_group, 1)
