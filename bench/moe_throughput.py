@@ -12,6 +12,7 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py --gpus 2 --layers 8
     python bench/moe_throughput.py --variants baseline a2a-overlap --extra parallel.moe_token_dispatcher=alltoall
     python bench/moe_throughput.py --mbs 2 --variants baseline offload offload-all   # where activations weigh
+    python bench/moe_throughput.py --microbatches 32 --precision-aware --variants baseline offload-optimizer
 
 Each variant prints its losses and gradient norms by step; the bench exits unless the variants'
 step-1 losses agree within 1e-2 (same samples, same initial weights: the data ranks of a torchrun
@@ -48,6 +49,9 @@ VARIANTS: dict[str, list[str]] = {
     "offload": ["parallel.offload_activations=[expert_fc1,moe_act]"],
     # every offload point megatron has: the attention's and the MLP's inputs wait in host memory too
     "offload-all": ["parallel.offload_activations=[attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,expert_fc1,moe_act]"],
+    # the optimizer's master weights and Adam moments in host memory, updated there (megatron's
+    # HybridDeviceOptimizer; --precision-aware; the share: --optimizer-offload-fraction)
+    "offload-optimizer": [],
 }
 
 # a2a-overlap-dw is left out: 0.863x the baseline at this shape on 4 H100s (loong-parallel README)
@@ -110,7 +114,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="LOONG_DEVICE of the runs (cpu: smoke-test this script)")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--extra", nargs="*", default=[], help="extra train-app overrides for every variant")
+    p.add_argument(
+        "--precision-aware",
+        action="store_true",
+        help="every variant on megatron's precision-aware optimizer (master weights inside TE's FusedAdam); "
+        "offload-optimizer needs it, and then the baseline has it too",
+    )
+    p.add_argument("--profile-dir", type=Path, default=None,
+                   help="profile one extra step after the measured ones: a Chrome trace per rank in DIR/<variant>")  # fmt: skip
+    p.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="offload-optimizer: the share of the optimizer's parameters updated on the host")  # fmt: skip
     args = p.parse_args(argv)
+    if "offload-optimizer" in args.variants and not args.precision_aware:
+        p.error("the offload-optimizer variant needs --precision-aware (megatron's host offload runs on its path)")
     args.ep = args.ep or args.gpus
     if args.gpus % args.ep:
         p.error(f"--ep {args.ep} must divide --gpus {args.gpus}")
@@ -123,7 +139,7 @@ def train_command(args, variant: str, out: Path) -> list[str]:
     global_batch = args.mbs * args.microbatches * args.gpus  # dense data-parallel size = gpus (tp = pp = 1)
     overrides = [
         f"model={args.model}", f"model.foundation.num_layers={args.layers}", f"data.seq_length={args.seq}",
-        f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={global_batch}", f"train.steps={args.steps}",
+        f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={global_batch}", f"train.steps={args.steps + (1 if args.profile_dir else 0)}",
         f"train.dtype={args.dtype}", "train.eval_iters=0", "train.save_final=false", "train.tensorboard=false",
         "train.progress=false", f"train.output_dir={out}", f"data.cache_dir={out.parent}/data",
         f"optim.warmup_steps={args.warmup}", f"parallel.ep={args.ep}", "parallel.distributed_optimizer=true",
@@ -134,7 +150,13 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         # imbalance ~14 from step 1 on an H200 run; cause and test: test_moe_routing_init.py), so
         # one EP rank did all the expert work and overlap could not pay.
         *(["++model.foundation.extra.moe_router_force_load_balancing=true"] if args.forced_routing else []),
-        *VARIANTS[variant], *args.extra,
+        *(["optim.precision_aware=true"] if args.precision_aware else []),
+        *VARIANTS[variant],
+        *([f"optim.offload_fraction={args.optimizer_offload_fraction}"] if variant == "offload-optimizer" else []),
+        *args.extra,
+        # the profiled step comes after the measured ones and is left out of the median
+        *([f"train.profile.start_step={args.steps + 1}", "train.profile.steps=1", "train.profile.trace=true",
+           f"train.profile.dir={args.profile_dir / variant}"] if args.profile_dir else []),
     ]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
             "-m", "loong_train", *overrides]  # fmt: skip
@@ -144,9 +166,12 @@ def run_variant(args, variant: str, workdir: Path, f) -> Result:
     out = workdir / variant
     cmd = train_command(args, variant, out)
     print(f"{variant}:", " ".join(cmd[cmd.index("loong_train") + 1 :]), flush=True)
-    env = dict(os.environ, LOONG_DEVICE=args.device, PYTHONUNBUFFERED="1")
+    # torchrun gives each process one host thread unless OMP_NUM_THREADS is set: the host's share
+    # per process instead, for the host-side Adam of offload-optimizer (the same for every variant)
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // args.gpus))
+    env = dict(os.environ, LOONG_DEVICE=args.device, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads)
     rows = run_train_app(cmd, out, label=f"variant {variant}", env=env)
-    train = [r for r in rows if r["step"] > args.warmup]
+    train = [r for r in rows if args.warmup < r["step"] <= args.steps]
     step_s = statistics.median(r["step_time_s"] for r in train)
     tps = args.mbs * args.microbatches * args.gpus * args.seq / step_s / args.gpus
     imbalance = statistics.mean(r.get("moe_load_imbalance", float("nan")) for r in train)

@@ -26,6 +26,17 @@ def test_bad_arguments_are_refused():
         bench.parse_args(["--gpus", "4", "--ep", "3"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "5", "--warmup", "5"])
+    with pytest.raises(SystemExit):  # megatron's host offload runs on the precision-aware path
+        bench.parse_args(["--variants", "baseline", "offload-optimizer"])
+
+
+def test_optimizer_offload_is_compared_against_a_precision_aware_baseline(tmp_path):
+    args = bench.parse_args(["--precision-aware", "--optimizer-offload-fraction", "0.5",
+                             "--variants", "baseline", "offload-optimizer"])  # fmt: skip
+    base = bench.train_command(args, "baseline", tmp_path / "b")
+    offload = bench.train_command(args, "offload-optimizer", tmp_path / "o")
+    assert "optim.precision_aware=true" in base and "optim.precision_aware=true" in offload
+    assert set(offload) - set(base) == {"optim.offload_fraction=0.5", f"train.output_dir={tmp_path / 'o'}"}
 
 
 def test_each_variant_is_its_own_torchrun_job(tmp_path):
@@ -80,3 +91,10 @@ def test_variants_whose_first_losses_differ_are_not_the_same_samples():
         bench.check_same_samples(rows)
     with pytest.raises(SystemExit, match="nan"):  # a run without a loss cannot pass
         bench.check_same_samples([rows[0], bench.Result("x", 1.0, 1.0, 0.1, 1.0)])
+
+
+def test_a_profiled_step_comes_after_the_measured_ones(tmp_path):
+    args = bench.parse_args(["--steps", "7", "--profile-dir", str(tmp_path / "prof")])
+    cmd = bench.train_command(args, "a2a-overlap", tmp_path / "a")
+    assert "train.steps=8" in cmd and "train.profile.start_step=8" in cmd
+    assert f"train.profile.dir={tmp_path / 'prof' / 'a2a-overlap'}" in cmd

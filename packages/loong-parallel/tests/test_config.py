@@ -40,6 +40,10 @@ def test_valid_layout_passes():
         (OptimConfig(min_lr=1.0), "must be in"),
         (OptimConfig(warmup_steps=-1), r"optim.warmup_steps=-1 must be >= 0"),
         (OptimConfig(state_dtype="bf16"), r"optim.state_dtype=bf16 needs optim.precision_aware=true"),
+        (OptimConfig(offload_fraction=1.5, precision_aware=True), r"optim.offload_fraction=1.5 must be in \[0, 1\]"),
+        (OptimConfig(offload_fraction=0.5), r"optim.offload_fraction=0.5 needs optim.precision_aware=true"),
+        (OptimConfig(offload_fraction=0.5, precision_aware=True, state_dtype="bf16"),
+         r"optim.offload_fraction=0.5 needs optim.state_dtype=fp32 \(not bf16\)"),
     ],
 )
 def test_bad_optimizer_settings(ocfg, message):
@@ -129,6 +133,22 @@ def test_delayed_weight_gradients_tell_megatrons_ddp_to_hook_the_modules_backwar
 
     assert ddp_config_for(ParallelConfig(ep=2, moe_a2a_overlap=True, moe_delay_wgrad=True)).delay_wgrad_compute
     assert not ddp_config_for(ParallelConfig(ep=2, moe_a2a_overlap=True)).delay_wgrad_compute
+
+
+def test_optimizer_offload_becomes_megatrons_host_offload_with_overlapped_copies():
+    import torch
+
+    from loong_parallel.optimizer import optimizer_config_for
+
+    pcfg = ParallelConfig(distributed_optimizer=True)
+    ocfg = OptimConfig(precision_aware=True, offload_fraction=0.5)
+    ocfg.validate()
+    config = optimizer_config_for(ocfg, pcfg, torch.bfloat16)  # megatron's own __post_init__ checks pass
+    assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 0.5
+    assert config.overlap_cpu_optimizer_d2h_h2d and config.use_precision_aware_optimizer
+    assert config.decoupled_weight_decay  # megatron's host offload runs AdamW only
+    plain = optimizer_config_for(OptimConfig(), pcfg, torch.bfloat16)
+    assert not plain.optimizer_cpu_offload
 
 
 @pytest.mark.parametrize(

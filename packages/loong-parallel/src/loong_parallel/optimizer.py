@@ -46,6 +46,14 @@ class OptimConfig:
     # Adam's moments: bf16 halves their memory and the update's traffic (needs precision_aware);
     # the master weights and gradients stay fp32
     state_dtype: StateDtype = StateDtype.fp32
+    # The share of the optimizer's parameters (in elements, in parameter order) whose fp32 master
+    # weights and Adam moments live in pinned host memory and are updated there by torch's fused
+    # CPU AdamW (megatron's HybridDeviceOptimizer; needs precision_aware): the GPU keeps the bf16
+    # weights and the gradient buffer. Gradients go to the host and weights come back on side
+    # streams, one parameter at a time, overlapped with the host update. Costs host time once per
+    # step, so it pays with many micro-batches per step (bench/moe_throughput.py); set
+    # OMP_NUM_THREADS for the host update (torchrun's default is 1 thread per process).
+    offload_fraction: float = 0.0
 
     def validate(self) -> None:
         if not 0 <= self.min_lr <= self.lr:
@@ -55,6 +63,14 @@ class OptimConfig:
         if self.state_dtype != StateDtype.fp32 and not self.precision_aware:
             raise ValueError(f"optim.state_dtype={self.state_dtype} needs optim.precision_aware=true "
                              "(megatron keeps Adam's moments in fp32 otherwise)")  # fmt: skip
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ValueError(f"optim.offload_fraction={self.offload_fraction} must be in [0, 1]")
+        if self.offload_fraction > 0 and not self.precision_aware:
+            raise ValueError(f"optim.offload_fraction={self.offload_fraction} needs optim.precision_aware=true "
+                             "(megatron's host offload runs on the precision-aware optimizer's path)")  # fmt: skip
+        if self.offload_fraction > 0 and self.state_dtype != StateDtype.fp32:
+            raise ValueError(f"optim.offload_fraction={self.offload_fraction} needs optim.state_dtype=fp32 "
+                             f"(not {self.state_dtype}): the offloaded update is torch's CPU AdamW, fp32 moments")  # fmt: skip
 
     def precision_aware_errors(self, distributed_optimizer: bool, device_type: str) -> list[str]:
         """Why ``precision_aware`` cannot run with this layout / device (empty: it can, or it is off)."""
@@ -87,8 +103,33 @@ def _precision_aware_fields(ocfg: OptimConfig) -> dict:
     if not ocfg.precision_aware:
         return {}
     moments = {StateDtype.fp32: torch.float32, StateDtype.bf16: torch.bfloat16}[ocfg.state_dtype]
-    return dict(use_precision_aware_optimizer=True, main_params_dtype=torch.float32,
-                main_grads_dtype=torch.float32, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)  # fmt: skip
+    fields = dict(use_precision_aware_optimizer=True, main_params_dtype=torch.float32,
+                  main_grads_dtype=torch.float32, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)  # fmt: skip
+    if ocfg.offload_fraction > 0:
+        # the copies overlap the host update (megatron's recommendation; off, each waits for the other)
+        fields.update(optimizer_cpu_offload=True, optimizer_offload_fraction=ocfg.offload_fraction,
+                      overlap_cpu_optimizer_d2h_h2d=True)  # fmt: skip
+    return fields
+
+
+def optimizer_config_for(ocfg: OptimConfig, pcfg: ParallelConfig, dtype: torch.dtype) -> OptimizerConfig:
+    """megatron's OptimizerConfig for this optimizer and layout (AdamW, decoupled weight decay)."""
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=ocfg.lr,
+        min_lr=ocfg.min_lr,
+        weight_decay=ocfg.weight_decay,
+        adam_beta1=ocfg.beta1,
+        adam_beta2=ocfg.beta2,
+        adam_eps=ocfg.eps,
+        clip_grad=ocfg.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=pcfg.distributed_optimizer,
+        overlap_param_gather=pcfg.overlap_param_gather,
+        **_precision_aware_fields(ocfg),
+    )
 
 
 def build_optimizer(
@@ -106,25 +147,7 @@ def build_optimizer(
     device_type = next(p.device.type for c in chunks for p in c.parameters())
     for error in ocfg.precision_aware_errors(pcfg.distributed_optimizer, device_type):
         raise ValueError(error)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=ocfg.lr,
-            min_lr=ocfg.min_lr,
-            weight_decay=ocfg.weight_decay,
-            adam_beta1=ocfg.beta1,
-            adam_beta2=ocfg.beta2,
-            adam_eps=ocfg.eps,
-            clip_grad=ocfg.clip_grad,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            params_dtype=dtype,
-            use_distributed_optimizer=pcfg.distributed_optimizer,
-            overlap_param_gather=pcfg.overlap_param_gather,
-            **_precision_aware_fields(ocfg),
-        ),
-        chunks,
-    )
+    optimizer = get_megatron_optimizer(optimizer_config_for(ocfg, pcfg, dtype), chunks)
     scheduler = OptimizerParamScheduler(
         optimizer,
         **schedule_steps(ocfg.lr, ocfg.warmup_steps, total_steps),
