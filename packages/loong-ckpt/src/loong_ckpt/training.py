@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loong_ckpt.class_names import classes_in, classes_to_names, names_to_classes
 from loong_ckpt.integrity import IntegrityError, check_files, hash_files, listed_files
 from loong_ckpt.log import logger
 from loong_ckpt.safe_load import SafeFileSystemReader, vet_checkpoint
@@ -307,9 +308,11 @@ def save_checkpoint(
     state = _model_sharded_state_dict(chunks, part)
     if optimizer is not None:
         model_sd = dict(state)
-        state["optimizer"] = optimizer.sharded_state_dict(
+        # classes in param groups (host-offloaded optimizer) are saved as names: the loader's
+        # weights-only unpickler refuses classes
+        state["optimizer"] = classes_to_names(optimizer.sharded_state_dict(
             model_sd if len(chunks) > 1 else model_sd["model"], metadata=OPTIMIZER_METADATA
-        )
+        ))
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if rng_state is not None:
@@ -445,6 +448,12 @@ class CheckpointMismatchError(ValueError):
     with other settings than the checkpoint's."""
 
 
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside megatron's wrappers (a chained optimizer holds several)."""
+    wrapped = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [getattr(o, "optimizer", o) for o in wrapped]
+
+
 def load_checkpoint(
     path: str | Path,
     chunks: list[torch.nn.Module],
@@ -497,7 +506,8 @@ def load_checkpoint(
             raise CheckpointMismatchError(f"{info.path}: checkpoint does not match the model: missing {missing}, "
                              f"unexpected {result.unexpected_keys}")  # fmt: skip
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        known = classes_in([g for opt in _inner_optimizers(optimizer) for g in opt.param_groups])
+        optimizer.load_state_dict(names_to_classes(state["optimizer"], known))
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     return info, state.get("rng_state")
