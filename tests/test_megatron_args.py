@@ -234,7 +234,9 @@ def _cases_beyond_the_top_45() -> dict[str, tuple[list[str], list[str] | str]]:
         "--expert-tensor-parallel-size": (["--expert-tensor-parallel-size", "1"], ["parallel.etp=1"]),
         "--attention-backend": (["--attention-backend", "flash"], "warn: --attention-backend ignored"),
         "--empty-unused-memory-level": (["--empty-unused-memory-level", "1"], "warn: --empty-unused-memory-level ignored"),  # fmt: skip
-        "--use-precision-aware-optimizer": (["--use-precision-aware-optimizer"], "warn: --use-precision-aware-optimizer ignored"),  # fmt: skip
+        "--use-precision-aware-optimizer": (["--use-precision-aware-optimizer"], ["optim.precision_aware=true"]),
+        "--optimizer-cpu-offload": (["--optimizer-cpu-offload"], ["optim.offload_fraction=1.0"]),
+        "--optimizer-offload-fraction": (["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.4"], ["optim.offload_fraction=0.4"]),  # fmt: skip
         "--calculate-per-token-loss": (["--calculate-per-token-loss"], []),
         "--config-file": (["--config-file", "x.yaml"], "error: --config-file is not supported"),
         "--custom-pipeline-layers": (["--custom-pipeline-layers", "3,5"], "error: --custom-pipeline-layers is not supported"),  # fmt: skip

@@ -136,6 +136,11 @@ def _warmup_fraction(value: object, args: dict) -> Pairs:
     return [("optim.warmup_steps", round(value * args["--train-iters"]))]
 
 
+def _cpu_offload(value: object, args: dict) -> Pairs:
+    # megatron-LM's --optimizer-offload-fraction defaults to 1.0 (all of the state on the host)
+    return [("optim.offload_fraction", args.get("--optimizer-offload-fraction", 1.0))]
+
+
 def _decay_iters(value: object, args: dict) -> Pairs:
     if value != args.get("--train-iters"):
         raise MegatronArgError(f"--lr-decay-iters {value} must equal --train-iters {args.get('--train-iters')}: "
@@ -315,7 +320,10 @@ ARG_MAP: dict[str, Arg] = {
     # -- performance knobs Loong sets itself, and LoongForge-only flags
     "--attention-backend": warn("the layer backend (model.layer_backend) picks the attention kernel"),
     "--empty-unused-memory-level": warn("Loong does not empty the allocator cache between steps"),
-    "--use-precision-aware-optimizer": warn("Loong keeps fp32 master weights and moments", nargs=0),
+    "--use-precision-aware-optimizer": switch("optim.precision_aware"),
+    "--optimizer-cpu-offload": custom(_cpu_offload, nargs=0),
+    # read by --optimizer-cpu-offload; without it megatron offloads nothing either
+    "--optimizer-offload-fraction": custom(lambda value, args: [], type=float),
     "--calculate-per-token-loss": accept("Loong's loss is the mean over the tokens of the global batch"),
     "--config-file": error("model YAML files are Hydra configs in Loong", "model=<zoo name> or --model-name"),
     "--custom-pipeline-layers": error("Loong splits layers evenly over stages", "parallel.pp / parallel.vpp"),
