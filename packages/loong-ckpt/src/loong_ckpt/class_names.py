@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+
 PREFIX = "class:"
 
 
@@ -20,13 +22,7 @@ def _name(cls: type) -> str:
 
 def classes_to_names(tree: Any) -> Any:
     """A copy of the dicts and lists of ``tree`` with every class replaced by its name (other leaves shared)."""
-    if isinstance(tree, type):
-        return _name(tree)
-    if isinstance(tree, dict):
-        return {k: classes_to_names(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [classes_to_names(v) for v in tree]
-    return tree
+    return dict_list_map_outplace(lambda v: _name(v) if isinstance(v, type) else v, tree)
 
 
 def classes_in(param_groups: list[dict]) -> dict[str, type]:
@@ -36,10 +32,5 @@ def classes_in(param_groups: list[dict]) -> dict[str, type]:
 
 def names_to_classes(tree: Any, known: dict[str, type]) -> Any:
     """``tree`` with the names of ``known`` classes back as the classes (unknown names stay strings)."""
-    if isinstance(tree, str) and tree.startswith(PREFIX):
-        return known.get(tree, tree)
-    if isinstance(tree, dict):
-        return {k: names_to_classes(v, known) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [names_to_classes(v, known) for v in tree]
-    return tree
+    return dict_list_map_outplace(lambda v: known.get(v, v) if isinstance(v, str) and v.startswith(PREFIX) else v,
+                                  tree)  # fmt: skip

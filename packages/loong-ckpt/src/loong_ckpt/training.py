@@ -448,12 +448,6 @@ class CheckpointMismatchError(ValueError):
     with other settings than the checkpoint's."""
 
 
-def _inner_optimizers(optimizer: Any) -> list[Any]:
-    """The torch optimizers inside megatron's wrappers (a chained optimizer holds several)."""
-    wrapped = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [getattr(o, "optimizer", o) for o in wrapped]
-
-
 def load_checkpoint(
     path: str | Path,
     chunks: list[torch.nn.Module],
@@ -506,8 +500,8 @@ def load_checkpoint(
             raise CheckpointMismatchError(f"{info.path}: checkpoint does not match the model: missing {missing}, "
                              f"unexpected {result.unexpected_keys}")  # fmt: skip
     if optimizer is not None:
-        known = classes_in([g for opt in _inner_optimizers(optimizer) for g in opt.param_groups])
-        optimizer.load_state_dict(names_to_classes(state["optimizer"], known))
+        # megatron's param_groups: the inner optimizers' groups (a chained optimizer's, all of them)
+        optimizer.load_state_dict(names_to_classes(state["optimizer"], classes_in(optimizer.param_groups)))
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     return info, state.get("rng_state")
