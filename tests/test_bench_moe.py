@@ -62,6 +62,32 @@ def test_each_variant_is_its_own_torchrun_job(tmp_path):
     assert f"parallel.offload_activations=[{points}]" in everything
 
 
+def test_levers_reach_every_variant_and_validate_in_the_train_app(tmp_path):
+    from loong_train.main import to_config
+    from loong_train.schema import validate
+
+    args = bench.parse_args(["--levers", "--variants", "baseline", "a2a-overlap"])
+    plain = bench.train_command(bench.parse_args(["--variants", "baseline"]), "baseline", tmp_path / "b")
+    for variant in args.variants:
+        cmd = bench.train_command(args, variant, tmp_path / "b")
+        assert set(bench.LEVERS) <= set(cmd) and not set(bench.LEVERS) & set(plain)
+    # the overrides are keys the train app knows (parallel.wgrad_fusion; megatron's MoE fusion flags
+    # through the foundation's extra fields)
+    command = bench.train_command(args, "a2a-overlap", tmp_path / "a")
+    overrides = [a for a in command if "=" in a and "--" not in a]
+    cfg = to_config(compose_config(*overrides))
+    assert cfg.parallel.wgrad_fusion is True and cfg.parallel.moe_a2a_overlap is True
+    assert cfg.model.foundation.extra == {"moe_permute_fusion": True, "moe_router_fusion": True}
+    validate(cfg, world_size=4)
+
+
+def compose_config(*overrides: str):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("loong_train.configs", version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
 def test_mfu_counts_active_parameters():
     f = bench.foundation(bench.parse_args([]))
     # 4 layers of qwen3-30b-a3b: attention 18,874,624 + router 262,144 + 8 of 128 experts 37,748,736
