@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-4,
                    help="peak learning rate (cosine to lr / 10), reached after --warmup steps; at the default "
-                   "shape the routers' load imbalance went from 3.6 (steps 1-3) to 6.4 (steps 4-7) once it did. "
+                   "shape the routers' load imbalance went from 3.6-4.0 (steps 1-3) to 6.2-6.4 (steps 4-7) once it did. "
                    "A run's first steps normally sit early in a long warm-up: 1e-4 x 7 / 2000 = 3.5e-7 is "
                    "step 7's rate in a 2000-step warm-up")  # fmt: skip
     p.add_argument(
