@@ -75,7 +75,7 @@ def imbalance_rows(counts: torch.Tensor, eps: list[int]) -> dict[str, list[float
     """Per layer: the expert imbalance and, for each EP size, the EP ranks' imbalance."""
     out = {"experts": [float(c.max() / c.mean()) for c in counts]}
     for ep in eps:
-        out[f"EP {ep} ranks"] = [ep_load_imbalance(c[None], ep) for c in counts]
+        out[f"EP {ep} ranks"] = ep_load_imbalance(counts, ep).tolist()
     return out
 
 

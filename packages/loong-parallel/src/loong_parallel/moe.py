@@ -28,16 +28,16 @@ def _routers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router) and not m.is_mtp_layer]
 
 
-def ep_load_imbalance(counts: torch.Tensor, ep: int) -> float:
-    """The busiest expert-parallel rank's routed tokens over the mean rank's, averaged over MoE
-    layers. ``counts``: tokens per expert, one row per MoE layer; megatron places experts on the
-    EP ranks in contiguous blocks of ``num_experts / ep``. Counted over a whole step, so it
-    understates a single micro-batch's imbalance (hot experts may differ between micro-batches)."""
+def ep_load_imbalance(counts: torch.Tensor, ep: int) -> torch.Tensor:
+    """Per MoE layer, the busiest expert-parallel rank's routed tokens over the mean rank's.
+    ``counts``: tokens per expert, one row per MoE layer; megatron places experts on the EP ranks
+    in contiguous blocks of ``num_experts / ep``. Counted over a whole step, so it understates a
+    single micro-batch's imbalance (hot experts may differ between micro-batches)."""
     layers, experts = counts.shape
     if experts % ep:
         raise ValueError(f"{experts} experts do not split over ep={ep} ranks")
     per_rank = counts.reshape(layers, ep, experts // ep).sum(2)
-    return float((per_rank.max(1).values / per_rank.mean(1)).mean())
+    return per_rank.max(1).values / per_rank.mean(1)
 
 
 class RouterStats:
@@ -79,7 +79,7 @@ class RouterStats:
         global batches of the window; ``moe_load_imbalance``: the busiest expert's load over the
         mean load, averaged over MoE layers (1.0 = perfectly balanced; ``_max``: the worst layer);
         ``moe_ep_load_imbalance`` (expert parallelism only): the same for the EP ranks' shares
-        (:func:`ep_load_imbalance`), the expert work the all-to-all makes the other ranks wait for;
+        (:func:`ep_load_imbalance`, averaged over MoE layers), the expert work the all-to-all makes the other ranks wait for;
         one entry per auxiliary loss megatron records (its value without the coefficient, mean
         over micro-batches and MoE layers), prefixed ``moe_``."""
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -98,7 +98,7 @@ class RouterStats:
             out["moe_load_imbalance_max"] = round(float(imbalance.max()), 4)
             ep = mpu.get_expert_model_parallel_world_size()
             if ep > 1:
-                out["moe_ep_load_imbalance"] = round(ep_load_imbalance(per_layer, ep), 4)
+                out["moe_ep_load_imbalance"] = round(float(ep_load_imbalance(per_layer, ep).mean()), 4)
             out["moe_tokens_per_expert"] = [int(round(x)) for x in per_layer.sum(0).tolist()]
         if self.loss_names:
             tracker = get_moe_metrics_tracker()
