@@ -65,6 +65,7 @@ def test_each_variant_is_its_own_torchrun_job(tmp_path):
 def test_levers_reach_every_variant_and_validate_in_the_train_app(tmp_path):
     from loong_train.main import to_config
     from loong_train.schema import validate
+    from loong_train.testing import compose_config
 
     args = bench.parse_args(["--levers", "--variants", "baseline", "a2a-overlap"])
     plain = bench.train_command(bench.parse_args(["--variants", "baseline"]), "baseline", tmp_path / "b")
@@ -79,13 +80,6 @@ def test_levers_reach_every_variant_and_validate_in_the_train_app(tmp_path):
     assert cfg.parallel.wgrad_fusion is True and cfg.parallel.moe_a2a_overlap is True
     assert cfg.model.foundation.extra == {"moe_permute_fusion": True, "moe_router_fusion": True}
     validate(cfg, world_size=4)
-
-
-def compose_config(*overrides: str):
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module("loong_train.configs", version_base=None):
-        return compose("config", overrides=list(overrides))
 
 
 def test_mfu_counts_active_parameters():

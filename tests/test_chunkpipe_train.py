@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
+from loong_train import testing
 from loong_train.main import to_config
 from loong_train.schema import ConfigError, validate
 from loong_train.testing import TINY
@@ -75,8 +75,7 @@ def test_chunkpipe_training_has_the_losses_and_gradients_of_the_unchunked_run(re
 
 
 def compose_config(*overrides: str):
-    with initialize_config_module("loong_train.configs", version_base=None):
-        return to_config(compose("config", overrides=list(overrides)))
+    return to_config(testing.compose_config(*overrides))
 
 
 @pytest.mark.parametrize(

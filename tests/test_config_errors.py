@@ -2,18 +2,13 @@
 missing data names the path."""
 
 import pytest
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from loong_models import FAMILIES
 from loong_train.main import to_config
 from loong_train.schema import ConfigError, validate
-
-
-def compose_config(*overrides: str):
-    with initialize_config_module("loong_train.configs", version_base=None):
-        return compose("config", overrides=list(overrides))
+from loong_train.testing import compose_config
 
 
 def test_default_config_is_valid():
@@ -113,8 +108,7 @@ def test_context_parallelism_names_what_it_cannot_combine_with():
     # DP load balancing plans over the DP group: every CP rank of a DP rank gets the same samples
     validate(to_config(compose_config("parallel.cp=2", "parallel.balance.enabled=true", "data.packing=thd",
                                       "data.seq_length=256")), world_size=4)  # fmt: skip
-    with initialize_config_module("loong_train.configs", version_base=None):
-        vlm = compose("vlm", overrides=["parallel.cp=2", "parallel.tp=2", "data.seq_length=256"])
+    vlm = compose_config("parallel.cp=2", "parallel.tp=2", "data.seq_length=256", preset="vlm")
     validate(to_config(vlm), world_size=4)  # multimodal data: the shared encoder layout
     bad = vlm.copy()
     OmegaConf.update(bad, "model.image_encoder.tensor_model_parallel_size", 1)  # what hetero_dp needs
@@ -142,8 +136,7 @@ def test_context_parallelism_names_what_it_cannot_combine_with():
 
 def test_wan_context_parallelism_cuts_samples_into_cp_parts_and_names_what_it_cannot_combine_with():
     def wan(*overrides: str):
-        with initialize_config_module("loong_train.configs", version_base=None):
-            return to_config(compose("wan", overrides=list(overrides)))
+        return to_config(compose_config(*overrides, preset="wan"))
 
     validate(wan("parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"), world_size=4)
     with pytest.raises(ConfigError, match=r"data.seq_length=16 must be a multiple of parallel.cp = 3 \(every "
@@ -179,13 +172,12 @@ def test_cuda_graphs_are_refused_for_models_whose_layers_megatron_does_not_captu
     """Megatron's per-layer graphs are a language model's: a VLM (its per-micro-batch host-side pack
     layout), a DiT and a plain-torch policy are refused at validation, naming the key and why;
     pi05's own CUDA graphs (torch.compile's reduce-overhead) are another key and still validate."""
-    with initialize_config_module("loong_train.configs", version_base=None):
-        cfg = lambda *o: to_config(compose(preset, overrides=list(o)))  # noqa: E731
-        validate(cfg(), world_size=1)
-        with pytest.raises(ConfigError, match=rf"^parallel.cuda_graphs=local cannot combine with {what}"):
-            validate(cfg("parallel.cuda_graphs=local"), world_size=1)
-        if preset == "pi05":
-            validate(cfg("model.embodied.compile_mode=reduce-overhead"), world_size=1)
+    cfg = lambda *o: to_config(compose_config(*o, preset=preset))  # noqa: E731
+    validate(cfg(), world_size=1)
+    with pytest.raises(ConfigError, match=rf"^parallel.cuda_graphs=local cannot combine with {what}"):
+        validate(cfg("parallel.cuda_graphs=local"), world_size=1)
+    if preset == "pi05":
+        validate(cfg("model.embodied.compile_mode=reduce-overhead"), world_size=1)
 
 
 def test_init_from_without_a_chosen_phase_or_rate_gets_the_fine_tuning_recipe():
@@ -211,11 +203,10 @@ def test_wgrad_fusion_is_refused_by_name_on_a_model_without_linears_to_fuse():
     """pi05 is plain torch layers; a language model (local layers on the CPU) takes the lever, and
     auto (null) is valid everywhere."""
     assert validate(to_config(compose_config("parallel.wgrad_fusion=true")), world_size=1) == 2
-    with initialize_config_module("loong_train.configs", version_base=None):
-        pi05 = lambda *o: to_config(compose("pi05", overrides=list(o)))  # noqa: E731
-        validate(pi05("parallel.wgrad_fusion=null"), world_size=1)
-        with pytest.raises(ConfigError, match=r"parallel.wgrad_fusion=true cannot combine with an embodied model"):
-            validate(pi05("parallel.wgrad_fusion=true"), world_size=1)
+    pi05 = lambda *o: to_config(compose_config(*o, preset="pi05"))  # noqa: E731
+    validate(pi05("parallel.wgrad_fusion=null"), world_size=1)
+    with pytest.raises(ConfigError, match=r"parallel.wgrad_fusion=true cannot combine with an embodied model"):
+        validate(pi05("parallel.wgrad_fusion=true"), world_size=1)
 
 
 def test_the_fused_output_loss_names_what_it_cannot_combine_with():

@@ -6,18 +6,16 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from loong_train.main import to_config
 from loong_train.megatron_args import ARG_MAP, MegatronArgError, translate
-from loong_train.testing import Run, train_command
+from loong_train.testing import Run, compose_config, train_command
 from loong_xpu.testing import launch_env
 
 
 def resolved(overrides: list[str]):
     """The validated Config that `train <overrides>` would run with."""
-    with initialize_config_module("loong_train.configs", version_base=None):
-        return to_config(compose("config", overrides=overrides))
+    return to_config(compose_config(*overrides))
 
 
 def _script_paths(tmp_path):

@@ -9,13 +9,13 @@ from functools import partial
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loong_parallel import ParallelConfig, masked_token_loss, runtime_transformer_fields
 from loong_train.main import to_config
+from loong_train.testing import compose_config
 from loong_train.trainer import Trainer
 
 VOCAB, WIDTH = 8192, 32
@@ -94,8 +94,7 @@ def test_a_model_kind_defined_only_in_a_test_trains_through_the_trainer(single_p
                  "train.eval_iters=1", "train.eval_interval=4", "train.tensorboard=false", "train.progress=false",
                  "train.device=cpu", "optim.lr=1e-2", "optim.warmup_steps=0", f"data.cache_dir={data_cache}",
                  f"train.output_dir={tmp_path}"]  # fmt: skip
-    with initialize_config_module("loong_train.configs", version_base=None):
-        cfg = to_config(compose("config", overrides=overrides))
+    cfg = to_config(compose_config(*overrides))
     kind = BigramKind()
     summary = Trainer(cfg, model=kind).fit()
 

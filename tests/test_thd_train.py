@@ -2,16 +2,15 @@
 checked, and the default job is unchanged."""
 
 import pytest
-from hydra import compose, initialize_config_module
 from omegaconf.errors import ValidationError
 
+from loong_train import testing
 from loong_train.main import to_config
 from loong_train.schema import ConfigError, validate
 
 
 def compose_config(*overrides: str):
-    with initialize_config_module("loong_train.configs", version_base=None):
-        return to_config(compose("config", overrides=list(overrides)))
+    return to_config(testing.compose_config(*overrides))
 
 
 def test_default_job_keeps_fixed_packing_and_no_balancing() -> None:

@@ -5,11 +5,10 @@ so does context parallelism on DeepSeek-V3 with an MTP layer; MoE config errors 
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from loong_train.main import to_config
 from loong_train.schema import ConfigError, validate
-from loong_train.testing import TINY, make_runner
+from loong_train.testing import TINY, compose_config, make_runner
 
 # TINY's model sizes are replaced by the zoo's tiny MoE models (hidden 64, 2 layers, 8 experts)
 BASE = [o for o in TINY if not o.startswith("model.")] + ["train.eval_interval=0", "train.eval_iters=0"]
@@ -124,11 +123,6 @@ def test_deepseek_v3_with_mtp_under_context_parallelism_matches_one_process(tmp_
     for a, b in zip(single.records("train"), cp2.records("train"), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["mtp_loss"] - b["mtp_loss"]) <= 1e-5, (a, b)
         assert a["moe_tokens_per_expert"] == b["moe_tokens_per_expert"]
-
-
-def compose_config(*overrides: str):
-    with initialize_config_module("loong_train.configs", version_base=None):
-        return compose("config", overrides=list(overrides))
 
 
 @pytest.mark.parametrize(

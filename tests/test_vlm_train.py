@@ -76,12 +76,10 @@ def test_text_model_on_image_data_fails_naming_the_key(run_vlm):
 
 
 def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_module
-
     from loong_train.main import to_config
+    from loong_train.testing import compose_config
 
-    with initialize_config_module("loong_train.configs", version_base=None):
-        return to_config(compose("vlm", overrides=overrides))
+    return to_config(compose_config(*overrides, preset="vlm"))
 
 
 @pytest.fixture(scope="module")

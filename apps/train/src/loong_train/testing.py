@@ -1,5 +1,6 @@
 """Run the real `train` app in fresh processes (one process, or several under torchrun with
-gloo) and read back what it wrote. Shared by the cross-package tests."""
+gloo) and read back what it wrote; compose its Hydra config in-process. Shared by the
+cross-package tests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig
 
 from loong_xpu.testing import launch_env
 
@@ -47,6 +51,13 @@ class Run:
     def check(self) -> Run:
         assert self.returncode == 0, f"train failed ({self.returncode}):\n{self.stderr[-4000:]}"
         return self
+
+
+def compose_config(*overrides: str, preset: str = "config") -> DictConfig:
+    """The train app's Hydra config ``preset`` (``config``: the default job) with ``overrides``,
+    before its schema check (``loong_train.main.to_config``)."""
+    with initialize_config_module("loong_train.configs", version_base=None):
+        return compose(preset, overrides=list(overrides))
 
 
 def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
