@@ -2,18 +2,15 @@
 attention tensors, keys the reference did not select), and that a wrong implementation is caught
 on real DSA inputs at a tiny shape (the TileLang kernels of Loong and megatron-core need CUDA)."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from loong_train.testing import load_script
+
 _PATH = Path(__file__).parents[1] / "bench" / "dsa_vs_megatron.py"
-_spec = importlib.util.spec_from_file_location("dsa_vs_megatron", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["dsa_vs_megatron"] = bench
-_spec.loader.exec_module(bench)
+bench = load_script(_PATH)
 
 
 def test_shapes_are_tokens_heads_topk_and_bad_ones_are_named():

@@ -2,20 +2,16 @@
 YAML, the train app starts from it once per variant on the same data and seed, and the tail means
 are compared against the bound (FP8 itself needs a GPU: here every variant runs in BF16)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from loong_ckpt.testing.hf_models import make_hf_model
+from loong_train.testing import load_script
 
 _PATH = Path(__file__).parents[1] / "bench" / "fp8_parity.py"
-_spec = importlib.util.spec_from_file_location("fp8_parity", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["fp8_parity"] = bench
-_spec.loader.exec_module(bench)
+bench = load_script(_PATH)
 
 
 def test_two_runs_from_one_hf_checkpoint_with_the_same_seed_give_the_same_tail_mean(tmp_path, capsys):

@@ -1,20 +1,16 @@
 """The CPU side of bench/fp8_policy.py: the model's GEMM shapes per TP size, and the policy its
 measurements become (synthetic timings; the GPU sweep itself needs CUDA and TE)."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from loong_models import load_model_config
 from loong_models.precision import decide, load_policy, write_policy
+from loong_train.testing import load_script
 
 _PATH = Path(__file__).parents[1] / "bench" / "fp8_policy.py"
-_spec = importlib.util.spec_from_file_location("fp8_policy", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["fp8_policy"] = bench
-_spec.loader.exec_module(bench)
+bench = load_script(_PATH)
 
 
 def test_the_swept_shapes_are_one_tp_ranks_linears_of_the_model():

@@ -1,15 +1,12 @@
 """The CPU side of bench/kernels.py: the linear-CE target lines (TileLang vs torch.compile of the
 unfused formula in time and peak memory; its variants against the default row). The cases need CUDA."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
+from loong_train.testing import load_script
+
 _PATH = Path(__file__).parents[1] / "bench" / "kernels.py"
-_spec = importlib.util.spec_from_file_location("bench_kernels", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_kernels"] = bench
-_spec.loader.exec_module(bench)
+bench = load_script(_PATH, "bench_kernels")  # "kernels" is the HF hub-kernels package
 
 CASE = "linear+cross-entropy fwd+bwd [N=8192 D=2048 V=128256]"
 

@@ -2,7 +2,6 @@
 torchrun with TP + SP over several), the tokens a step holds and the arguments it refuses; the
 whole bench at the tiny shape on the CPU, where both stacks must report the same batches."""
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -10,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from loong_train.testing import load_script
+
 _PATH = Path(__file__).parents[1] / "bench" / "llm_throughput.py"
-_spec = importlib.util.spec_from_file_location("llm_throughput", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["llm_throughput"] = bench
-_spec.loader.exec_module(bench)
+bench = load_script(_PATH)
 
 
 def test_one_gpu_runs_the_train_app_in_one_process(tmp_path):

@@ -1,20 +1,17 @@
 """The CPU side of bench/long_context.py: its defaults are the issue's targets, the length search,
 the CP commands, and one real probe of each kind on the tiny model (same loss, chunked or not)."""
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from loong_train.testing import load_script
+
 _PATH = Path(__file__).parents[1] / "bench" / "long_context.py"
-_spec = importlib.util.spec_from_file_location("long_context", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["long_context"] = bench
-_spec.loader.exec_module(bench)
+bench = load_script(_PATH)
 
 
 def test_defaults_are_the_issue_shape():

@@ -1,16 +1,13 @@
 """The CPU side of bench/moe_throughput.py: arguments, the commands it launches, the MFU formula."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from loong_train.testing import load_script
+
 _PATH = Path(__file__).parents[1] / "bench" / "moe_throughput.py"
-_spec = importlib.util.spec_from_file_location("moe_throughput", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["moe_throughput"] = bench
-_spec.loader.exec_module(bench)
+bench = load_script(_PATH)
 
 
 def test_defaults_are_the_issue_shape():

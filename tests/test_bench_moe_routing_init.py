@@ -1,17 +1,14 @@
 """bench/moe_routing_init.py on a tiny MoE model (CPU, one process): every routed token is counted
 once per layer, for real text and for uniform tokens, and the imbalances are ratios >= 1."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from loong_train.testing import load_script
+
 _PATH = Path(__file__).parents[1] / "bench" / "moe_routing_init.py"
-_spec = importlib.util.spec_from_file_location("moe_routing_init", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["moe_routing_init"] = bench
-_spec.loader.exec_module(bench)
+bench = load_script(_PATH)
 
 
 def test_routing_at_init_reports_experts_and_ep_ranks_per_layer(capsys):

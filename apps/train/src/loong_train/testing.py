@@ -4,11 +4,13 @@ cross-package tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
@@ -58,6 +60,20 @@ def compose_config(*overrides: str, preset: str = "config") -> DictConfig:
     before its schema check (``loong_train.main.to_config``)."""
     with initialize_config_module("loong_train.configs", version_base=None):
         return compose(preset, overrides=list(overrides))
+
+
+def load_script(path: Path, name: str | None = None) -> ModuleType:
+    """Import the script at ``path`` (e.g. a ``bench/`` script, which is not a package) as module
+    ``name`` (default: the file's stem; pass another where the stem is an installed package's name),
+    registered in ``sys.modules`` so its dataclasses and pickles resolve."""
+    name = name or path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not a Python script")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def train_command(overrides: list[str], nproc: int = 1) -> list[str]:
