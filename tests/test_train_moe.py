@@ -200,6 +200,9 @@ def test_a2a_overlap_matches_plain_expert_parallel(tmp_path, data_cache):
     common = [*GPU, f"train.init_from={init.out_dir / 'checkpoints' / 'step_00000000'}", f"train.steps={STEPS}",
               "parallel.ep=2"]  # fmt: skip
     plain = run_train(common, nproc=2, name="plain", device="cuda").check()
+    # with ep=2 the EP-rank imbalance is logged on CUDA too: one value >= 1 per step
+    ep_imbalance = [r["moe_ep_load_imbalance"] for r in plain.records("train")]
+    assert len(ep_imbalance) == STEPS and min(ep_imbalance) >= 1.0, ep_imbalance
     overlap = [*common, "parallel.moe_a2a_overlap=true"]
     for name, extra in (("overlap", []), ("overlap-dw", ["parallel.moe_delay_wgrad=true"])):
         run = run_train([*overlap, *extra], nproc=2, name=name, device="cuda").check()
