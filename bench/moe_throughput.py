@@ -141,6 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--profile-dir", type=Path, default=None,
                    help="profile one extra step after the measured ones: a Chrome trace per rank in DIR/<variant>")  # fmt: skip
+    p.add_argument("--numa-binding", choices=["node", "socket", "exclusive", "core-complex"], default=None,
+                   help="torchrun's --numa-binding for every variant: each process on the host CPUs nearest its "
+                   "GPU (needs the numactl CLI); matters for offload-optimizer's host-side Adam")  # fmt: skip
     p.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
                    help="offload-optimizer: the share of the optimizer's parameters updated on the host")  # fmt: skip
     args = p.parse_args(argv)
@@ -178,7 +181,8 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         *([f"train.profile.start_step={args.steps + 1}", "train.profile.steps=1", "train.profile.trace=true",
            f"train.profile.dir={args.profile_dir / variant}"] if args.profile_dir else []),
     ]  # fmt: skip
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
+    numa = [f"--numa-binding={args.numa_binding}"] if args.numa_binding else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}", *numa,
             "-m", "loong_train", *overrides]  # fmt: skip
 
 

@@ -59,6 +59,20 @@ def test_each_variant_is_its_own_torchrun_job(tmp_path):
     assert f"parallel.offload_activations=[{points}]" in everything
 
 
+def test_numa_binding_is_a_torchrun_option_for_every_variant(tmp_path):
+    from torch.distributed.run import get_args_parser
+
+    args = bench.parse_args(["--gpus", "2", "--numa-binding", "exclusive"])
+    for variant in args.variants:
+        cmd = bench.train_command(args, variant, tmp_path / variant)
+        launcher = get_args_parser().parse_args(cmd[cmd.index("torch.distributed.run") + 1 :])
+        assert launcher.numa_binding == "exclusive" and launcher.training_script == "loong_train"
+    plain = bench.train_command(bench.parse_args(["--gpus", "2"]), "baseline", tmp_path / "b")
+    assert not any(arg.startswith("--numa-binding") for arg in plain)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--numa-binding", "everywhere"])
+
+
 def test_levers_reach_every_variant_and_validate_in_the_train_app(tmp_path):
     from loong_train.main import to_config
     from loong_train.schema import validate
