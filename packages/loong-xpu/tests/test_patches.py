@@ -71,7 +71,9 @@ def test_cuda_backend_patches_only_the_apex_stand_in_and_megatron_corrections():
                                    "megatron.core.optimizer.optimizer:ChainedOptimizer.get_grad_norm",
                                    "megatron.core.optimizer.optimizer:ChainedOptimizer.step_with_ready_grads",
                                    "megatron.core.transformer.experimental_attention_variant.absorbed_mla:"
-                                   "AbsorbedMLASelfAttention.__init__"]  # fmt: skip
+                                   "AbsorbedMLASelfAttention.__init__",
+                                   "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer."
+                                   "_register_param_copy_back_gpu_hook"]  # fmt: skip
     finally:
         patches.remove()
 
@@ -178,6 +180,7 @@ def test_megatron_context_parallel_rope_slice_runs_on_the_host():
 @pytest.mark.parametrize("owner, attr", [
     ("megatron.core.optimizer.optimizer:ChainedOptimizer", "step_with_ready_grads"),
     ("megatron.core.transformer.multi_latent_attention:MLASelfAttention", "_qkv_down_projection"),
+    ("megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer", "_register_param_copy_back_gpu_hook"),
 ])  # fmt: skip
 def test_a_megatron_without_what_a_patch_wraps_fails_naming_the_patch(monkeypatch, owner, attr):
     """A megatron-core that renamed a method a patch wraps: applying the manifest stops with one

@@ -406,6 +406,16 @@ MANIFEST: tuple[Patch, ...] = (
         _made_by("mla_rope_key", "make_absorbed_mla_init"),
         on_cuda=True,
     ),
+    Patch(
+        "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer._register_param_copy_back_gpu_hook",
+        "with the optimizer offloaded to the host (optim.offload_fraction) megatron copies each updated fp32 master "
+        "into its bf16 device weight from pageable memory with a dtype change: a new host tensor per step and a "
+        "copy the host thread waits for, so the copies overlap nothing. loong_xpu.offload_copy_back copies "
+        "through pinned buffers of the weight's dtype, kept between steps (the same host-side cast)",
+        _made_by("offload_copy_back", "make_register_copy_back"),
+        on_cuda=True,
+        wraps=True,
+    ),
 )
 """Attribute patches. The device-argument rewrite (:class:`_DeviceRedirectMode`) is the one
 patch that is not an attribute: it is a TorchFunctionMode, entered by :func:`redirect_cuda`

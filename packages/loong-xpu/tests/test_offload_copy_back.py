@@ -1,0 +1,57 @@
+"""loong_xpu.offload_copy_back: megatron's host-offloaded optimizer copies its updated weights back
+through pinned buffers; same weights as megatron's own copy."""
+
+import contextlib
+
+import pytest
+import torch
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+from loong_xpu import apply_patches, get_accelerator, redirect_cuda
+from loong_xpu.offload_copy_back import TARGET, PinnedCopyBack
+
+
+def test_the_manifest_wraps_megatrons_hook_registration_and_takes_it_away_again():
+    original = HybridDeviceOptimizer._register_param_copy_back_gpu_hook
+    patches = apply_patches(get_accelerator("cpu"))
+    try:
+        assert TARGET in patches.applied
+        assert HybridDeviceOptimizer._register_param_copy_back_gpu_hook.__wrapped__ is original
+    finally:
+        patches.remove()
+    assert HybridDeviceOptimizer._register_param_copy_back_gpu_hook is original
+
+
+def _train(patched: bool, offload_fraction: float, steps: int = 3):
+    """bf16 device weights updated by megatron's HybridDeviceOptimizer as megatron builds it
+    (fp32 update, copies overlapped); the same gradients every run."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4096,), (1 << 20,), (3, 5), (777,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", torch.bfloat16)) for s in shapes]
+    patches = redirect_cuda(get_accelerator("cuda")) if patched else contextlib.nullcontext()
+    with patches:
+        opt = HybridDeviceOptimizer(params, offload_fraction=offload_fraction, cpu_optimizer_cls=torch.optim.AdamW,
+                                    gpu_optimizer_cls=torch.optim.AdamW, overlap_cpu_optimizer_d2h_h2d=True,
+                                    param_update_in_fp32=True, lr=1e-2, weight_decay=0.1, fused=True)  # fmt: skip
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to("cuda", torch.bfloat16)
+        opt.step()
+    torch.cuda.synchronize()
+    return [p.detach().clone() for p in params], opt
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offload_fraction", [1.0, 0.5])
+def test_pinned_copies_give_megatrons_weights(offload_fraction):
+    theirs, _ = _train(patched=False, offload_fraction=offload_fraction)
+    ours, opt = _train(patched=True, offload_fraction=offload_fraction)
+    for a, b in zip(theirs, ours, strict=True):
+        assert torch.equal(a, b)
+    assert opt.cpu_optimizers  # something was offloaded
+    hooks = [h for o in opt.cpu_optimizers for h in o._optimizer_step_post_hooks.values()]
+    assert len(hooks) == len(opt.cpu_optimizers) and all(isinstance(h, PinnedCopyBack) for h in hooks)
+    buffers = [b for h in hooks for b in h.staging.values()]
+    assert len(buffers) == len(opt.cpu_optimizers)  # one bf16 buffer per offloaded fp32 master, reused
+    assert all(b.is_pinned() and b.dtype == torch.bfloat16 for b in buffers)
