@@ -209,6 +209,7 @@ def run_variant(args, variant: str, workdir: Path, f) -> Result:
     # the variants train the same samples from the same weights: their losses and gradient norms
     # should agree step by step up to bf16 rounding of another execution order
     print(f"   loss by step {[round(r['loss'], 4) for r in rows]}", flush=True)
+    print(f"   step s by step {[round(r['step_time_s'], 3) for r in rows]}", flush=True)  # the median's spread
     print(f"   grad norm by step {[None if r.get('grad_norm') is None else round(r['grad_norm'], 4) for r in rows]}",
           flush=True)  # fmt: skip
     return Result(variant, step_s, tps, mfu(f, args.seq, tps), peak, rows[0]["loss"])
