@@ -52,6 +52,19 @@ def test_pinned_copies_give_megatrons_weights(offload_fraction):
     assert opt.cpu_optimizers  # something was offloaded
     hooks = [h for o in opt.cpu_optimizers for h in o._optimizer_step_post_hooks.values()]
     assert len(hooks) == len(opt.cpu_optimizers) and all(isinstance(h, PinnedCopyBack) for h in hooks)
-    buffers = [b for h in hooks for b in h.staging.values()]
-    assert len(buffers) == len(opt.cpu_optimizers)  # one bf16 buffer per offloaded fp32 master, reused
-    assert all(b.is_pinned() and b.dtype == torch.bfloat16 for b in buffers)
+    masters = [m for o in opt.cpu_optimizers for g in o.param_groups for m in g["params"]]
+    assert all(m.is_pinned() and m.dtype == torch.float32 for m in masters)  # pinned in place, still fp32
+    assert all(opt.cpu_copys_map_gpu_param[m].dtype == torch.bfloat16 for m in masters)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_tensor_larger_than_a_chunk_is_cast_on_the_device_piece_by_piece(monkeypatch):
+    from loong_xpu import offload_copy_back
+
+    monkeypatch.setattr(offload_copy_back, "CHUNK", 1000)  # 4,099 elements: four full chunks and a rest
+    master = torch.randn(4099, generator=torch.Generator().manual_seed(0)).pin_memory()
+    weight = torch.zeros(4099, device="cuda", dtype=torch.bfloat16)
+    offload_copy_back.copy_to_device(master, weight)
+    torch.cuda.synchronize()
+    assert torch.equal(weight.cpu(), master.bfloat16())  # the host's rounding, from the device's cast

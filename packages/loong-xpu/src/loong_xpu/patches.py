@@ -410,8 +410,8 @@ MANIFEST: tuple[Patch, ...] = (
         "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer._register_param_copy_back_gpu_hook",
         "with the optimizer offloaded to the host (optim.offload_fraction) megatron copies each updated fp32 master "
         "into its bf16 device weight from pageable memory with a dtype change: a new host tensor per step and a "
-        "copy the host thread waits for, so the copies overlap nothing. loong_xpu.offload_copy_back copies "
-        "through pinned buffers of the weight's dtype, kept between steps (the same host-side cast)",
+        "copy the host thread waits for, so the copies overlap nothing. loong_xpu.offload_copy_back pins the "
+        "masters once and queues each copy asynchronously, cast on the device (the same rounding)",
         _made_by("offload_copy_back", "make_register_copy_back"),
         on_cuda=True,
         wraps=True,
