@@ -10,6 +10,11 @@ median after --warmup steps is reported, and the weights must come out bit for b
     python bench/offload_copy_back.py                     # 0.78B parameters: one EP=4 rank of
                                                           # qwen3-30b-a3b x 4 layers
     python bench/offload_copy_back.py --params 1e8 --steps 4 --warmup 1
+
+On one H200 (16 host threads, 0.78B parameters): megatron's copy 0.736 s a step, Loong's 0.251 s,
+the same weights. Two processes at once, one per GPU of a 2-GPU host, 1.55B parameters each (an
+EP=2 rank) and the earlier version of the patch (host-side cast into pinned bf16 buffers): 1.668 /
+1.603 s against 0.631 / 0.525 s.
 """
 
 from __future__ import annotations
