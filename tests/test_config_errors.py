@@ -35,6 +35,7 @@ def test_wrong_type_is_named():
         ("train.global_batch_size=12", r"train.global_batch_size=12 must be a multiple of train.micro_batch_size"),
         ("data.seq_length=4096", r"data.seq_length=4096 must be in \[2, model.foundation.max_position_embeddings"),
         ("train.profile.steps=0", r"train.profile.steps=0 must be >= 1"),
+        ("optim.host_threads=0", r"optim.host_threads=0 must be >= 1 or null \(automatic\)"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

@@ -44,6 +44,7 @@ def test_valid_layout_passes():
         (OptimConfig(offload_fraction=0.5), r"optim.offload_fraction=0.5 needs optim.precision_aware=true"),
         (OptimConfig(offload_fraction=0.5, precision_aware=True, state_dtype="bf16"),
          r"optim.offload_fraction=0.5 needs optim.state_dtype=fp32 \(not bf16\)"),
+        (OptimConfig(host_threads=0), r"optim.host_threads=0 must be >= 1 or null \(automatic\)"),
     ],
 )
 def test_bad_optimizer_settings(ocfg, message):
@@ -149,6 +150,30 @@ def test_optimizer_offload_becomes_megatrons_host_offload_with_overlapped_copies
     assert config.decoupled_weight_decay  # megatron's host offload runs AdamW only
     plain = optimizer_config_for(OptimConfig(), pcfg, torch.bfloat16)
     assert not plain.optimizer_cpu_offload
+
+
+OFFLOAD = dict(precision_aware=True, offload_fraction=1.0)
+HOST = dict(affinity=64, cpu_count=64, local_world_size=4)  # an unbound process of 4 on a 64-CPU host
+
+
+@pytest.mark.parametrize(
+    "ocfg, host, omp, threads",
+    [
+        (OptimConfig(), HOST, None, None),  # nothing offloaded: the thread count is left alone
+        (OptimConfig(**OFFLOAD), HOST, "1", 16),  # torchrun's 1: the process's share of the host
+        (OptimConfig(**OFFLOAD), HOST, None, 16),
+        (OptimConfig(**OFFLOAD), dict(HOST, local_world_size=1), None, 64),
+        (OptimConfig(**OFFLOAD), dict(HOST, local_world_size=128), None, 1),
+        (OptimConfig(**OFFLOAD), HOST, "8", 8),  # a user's OMP_NUM_THREADS > 1 holds
+        (OptimConfig(**OFFLOAD), dict(HOST, affinity=12), "1", 12),  # bound (numa-binding): its own CPUs
+        (OptimConfig(**OFFLOAD, host_threads=3), HOST, "8", 3),  # the key wins
+    ],
+)
+def test_the_host_update_of_an_offloaded_optimizer_gets_the_processs_share_of_the_cpus(ocfg, host, omp, threads):
+    from loong_parallel.optimizer import host_threads_for
+
+    ocfg.validate()
+    assert host_threads_for(ocfg, **host, omp_num_threads=omp) == threads
 
 
 @pytest.mark.parametrize(

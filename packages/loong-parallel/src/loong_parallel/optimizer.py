@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -10,6 +11,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from loong_parallel.config import ParallelConfig
+from loong_parallel.log import logger
 
 
 class LRSchedule(StrEnum):
@@ -51,9 +53,12 @@ class OptimConfig:
     # CPU AdamW (megatron's HybridDeviceOptimizer; needs precision_aware): the GPU keeps the bf16
     # weights and the gradient buffer. Gradients go to the host and weights come back on side
     # streams, one parameter at a time, overlapped with the host update. Costs host time once per
-    # step, so it pays with many micro-batches per step (bench/moe_throughput.py); set
-    # OMP_NUM_THREADS for the host update (torchrun's default is 1 thread per process).
+    # step, so it pays with many micro-batches per step (bench/moe_throughput.py).
     offload_fraction: float = 0.0
+    # Host threads of that update (with offload_fraction > 0). null: OMP_NUM_THREADS where it is
+    # set to more than 1, else this process's share of the CPUs it may run on (torchrun sets
+    # OMP_NUM_THREADS=1 in every process, which leaves a memory-bound update on one core).
+    host_threads: int | None = None
 
     def validate(self) -> None:
         if not 0 <= self.min_lr <= self.lr:
@@ -68,6 +73,8 @@ class OptimConfig:
         if self.offload_fraction > 0 and not self.precision_aware:
             raise ValueError(f"optim.offload_fraction={self.offload_fraction} needs optim.precision_aware=true "
                              "(megatron's host offload runs on the precision-aware optimizer's path)")  # fmt: skip
+        if self.host_threads is not None and self.host_threads < 1:
+            raise ValueError(f"optim.host_threads={self.host_threads} must be >= 1 or null (automatic)")
         if self.offload_fraction > 0 and self.state_dtype != StateDtype.fp32:
             raise ValueError(f"optim.offload_fraction={self.offload_fraction} needs optim.state_dtype=fp32 "
                              f"(not {self.state_dtype}): the offloaded update is torch's CPU AdamW, fp32 moments")  # fmt: skip
@@ -83,6 +90,34 @@ class OptimConfig:
             errors.append(f"optim.precision_aware=true needs CUDA (Transformer Engine's FusedAdam); "
                           f"the device is {device_type}")  # fmt: skip
         return errors
+
+
+def host_threads_for(ocfg: OptimConfig, *, affinity: int, cpu_count: int, local_world_size: int,
+                     omp_num_threads: str | None) -> int | None:
+    """Threads for the host-side update of ``optim.offload_fraction`` (None: nothing offloaded).
+    ``affinity``: CPUs this process may run on; ``cpu_count``: the machine's. A process bound to
+    fewer CPUs than the machine has (torchrun --numa-binding, taskset) uses all of its own; an
+    unbound one its share among the ``local_world_size`` processes of this machine."""
+    if ocfg.offload_fraction == 0:
+        return None
+    if ocfg.host_threads is not None:
+        return ocfg.host_threads
+    if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) > 1:
+        return int(omp_num_threads)
+    if affinity < cpu_count:
+        return max(1, affinity)
+    return max(1, affinity // max(1, local_world_size))
+
+
+def _set_host_threads(ocfg: OptimConfig) -> None:
+    threads = host_threads_for(ocfg, affinity=len(os.sched_getaffinity(0)), cpu_count=os.cpu_count() or 1,
+                               local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                               omp_num_threads=os.environ.get("OMP_NUM_THREADS"))  # fmt: skip
+    if threads is None:
+        return
+    torch.set_num_threads(threads)
+    logger.info("optimizer offload: the host update runs on %d threads (optim.host_threads=%s)",
+                threads, ocfg.host_threads)  # fmt: skip
 
 
 def schedule_steps(lr: float, warmup_steps: int, total_steps: int) -> dict:
@@ -147,6 +182,7 @@ def build_optimizer(
     device_type = next(p.device.type for c in chunks for p in c.parameters())
     for error in ocfg.precision_aware_errors(pcfg.distributed_optimizer, device_type):
         raise ValueError(error)
+    _set_host_threads(ocfg)
     optimizer = get_megatron_optimizer(optimizer_config_for(ocfg, pcfg, dtype), chunks)
     scheduler = OptimizerParamScheduler(
         optimizer,
