@@ -153,7 +153,7 @@ def test_optimizer_offload_becomes_megatrons_host_offload_with_overlapped_copies
 
 
 OFFLOAD = dict(precision_aware=True, offload_fraction=1.0)
-HOST = dict(affinity=64, cpu_count=64, local_world_size=4)  # an unbound process of 4 on a 64-CPU host
+HOST = dict(affinity=64, parent_affinity=64, local_world_size=4)  # an unbound process of 4 on 64 CPUs
 
 
 @pytest.mark.parametrize(
@@ -166,6 +166,8 @@ HOST = dict(affinity=64, cpu_count=64, local_world_size=4)  # an unbound process
         (OptimConfig(**OFFLOAD), dict(HOST, local_world_size=128), None, 1),
         (OptimConfig(**OFFLOAD), HOST, "8", 8),  # a user's OMP_NUM_THREADS > 1 holds
         (OptimConfig(**OFFLOAD), dict(HOST, affinity=12), "1", 12),  # bound (numa-binding): its own CPUs
+        # a container's CPU set (os.cpu_count() sees the whole machine) limits the launcher too
+        (OptimConfig(**OFFLOAD), dict(HOST, affinity=16, parent_affinity=16), None, 4),
         (OptimConfig(**OFFLOAD, host_threads=3), HOST, "8", 3),  # the key wins
     ],
 )
@@ -174,6 +176,20 @@ def test_the_host_update_of_an_offloaded_optimizer_gets_the_processs_share_of_th
 
     ocfg.validate()
     assert host_threads_for(ocfg, **host, omp_num_threads=omp) == threads
+
+
+def test_a_process_launched_with_one_omp_thread_gets_its_share_for_the_host_update():
+    """In a fresh process as torchrun starts it (OMP_NUM_THREADS=1), the optimizer build's thread
+    setting (megatron's offload needs CUDA, so the setting is called by itself here)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from loong_parallel.optimizer import OptimConfig, _set_host_threads; "
+            "_set_host_threads(OptimConfig(precision_aware=True, offload_fraction=1.0)); print(torch.get_num_threads())")  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) == len(os.sched_getaffinity(0))  # launched by this (unbound) process
 
 
 @pytest.mark.parametrize(

@@ -92,25 +92,31 @@ class OptimConfig:
         return errors
 
 
-def host_threads_for(ocfg: OptimConfig, *, affinity: int, cpu_count: int, local_world_size: int,
+def host_threads_for(ocfg: OptimConfig, *, affinity: int, parent_affinity: int, local_world_size: int,
                      omp_num_threads: str | None) -> int | None:
     """Threads for the host-side update of ``optim.offload_fraction`` (None: nothing offloaded).
-    ``affinity``: CPUs this process may run on; ``cpu_count``: the machine's. A process bound to
-    fewer CPUs than the machine has (torchrun --numa-binding, taskset) uses all of its own; an
-    unbound one its share among the ``local_world_size`` processes of this machine."""
+    ``affinity``: CPUs this process may run on; ``parent_affinity``: its launcher's. A process bound
+    to fewer CPUs than its launcher (torchrun --numa-binding, taskset) uses all of its own; an
+    unbound one its share among the ``local_world_size`` processes of this machine. (The
+    launcher, not the machine: a container's CPU set limits both.)"""
     if ocfg.offload_fraction == 0:
         return None
     if ocfg.host_threads is not None:
         return ocfg.host_threads
     if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) > 1:
         return int(omp_num_threads)
-    if affinity < cpu_count:
+    if affinity < parent_affinity:
         return max(1, affinity)
     return max(1, affinity // max(1, local_world_size))
 
 
 def _set_host_threads(ocfg: OptimConfig) -> None:
-    threads = host_threads_for(ocfg, affinity=len(os.sched_getaffinity(0)), cpu_count=os.cpu_count() or 1,
+    affinity = len(os.sched_getaffinity(0))
+    try:
+        parent_affinity = len(os.sched_getaffinity(os.getppid()))
+    except OSError:  # the launcher is gone or not ours to inspect: read this process as unbound
+        parent_affinity = affinity
+    threads = host_threads_for(ocfg, affinity=affinity, parent_affinity=parent_affinity,
                                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                omp_num_threads=os.environ.get("OMP_NUM_THREADS"))  # fmt: skip
     if threads is None:
