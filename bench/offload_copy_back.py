@@ -20,7 +20,6 @@ EP=2 rank) and the earlier version of the patch (host-side cast into pinned bf16
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import statistics
@@ -49,18 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, patched: bool) -> tuple[list[float], list[torch.Tensor]]:
     """Step times (s) and the final bf16 weights of one variant."""
-    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
-
-    from loong_xpu import get_accelerator, redirect_cuda
+    from loong_xpu.testing import hybrid_device_optimizer
 
     numel = int(args.params) // args.tensors
     g = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(numel, generator=g, device="cuda").bfloat16()) for _ in range(args.tensors)]
-    patches = redirect_cuda(get_accelerator("cuda")) if patched else contextlib.nullcontext()
-    with patches:
-        opt = HybridDeviceOptimizer(params, offload_fraction=args.offload_fraction, cpu_optimizer_cls=torch.optim.AdamW,
-                                    gpu_optimizer_cls=torch.optim.AdamW, overlap_cpu_optimizer_d2h_h2d=True,
-                                    param_update_in_fp32=True, lr=1e-4, weight_decay=0.1, fused=True)  # fmt: skip
+    opt = hybrid_device_optimizer(params, args.offload_fraction, patched=patched, lr=1e-4)
     times = []
     for _ in range(args.steps):
         for p in params:

@@ -1,14 +1,13 @@
 """loong_xpu.offload_copy_back: megatron's host-offloaded optimizer copies its updated weights back
-through pinned buffers; same weights as megatron's own copy."""
-
-import contextlib
+from pinned masters, cast on the device; same weights as megatron's own copy."""
 
 import pytest
 import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
-from loong_xpu import apply_patches, get_accelerator, redirect_cuda
+from loong_xpu import apply_patches, get_accelerator
 from loong_xpu.offload_copy_back import TARGET, PinnedCopyBack
+from loong_xpu.testing import hybrid_device_optimizer
 
 
 def test_the_manifest_wraps_megatrons_hook_registration_and_takes_it_away_again():
@@ -28,11 +27,7 @@ def _train(patched: bool, offload_fraction: float, steps: int = 3):
     g = torch.Generator().manual_seed(0)
     shapes = [(4096,), (1 << 20,), (3, 5), (777,)]
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", torch.bfloat16)) for s in shapes]
-    patches = redirect_cuda(get_accelerator("cuda")) if patched else contextlib.nullcontext()
-    with patches:
-        opt = HybridDeviceOptimizer(params, offload_fraction=offload_fraction, cpu_optimizer_cls=torch.optim.AdamW,
-                                    gpu_optimizer_cls=torch.optim.AdamW, overlap_cpu_optimizer_d2h_h2d=True,
-                                    param_update_in_fp32=True, lr=1e-2, weight_decay=0.1, fused=True)  # fmt: skip
+    opt = hybrid_device_optimizer(params, offload_fraction, patched=patched, lr=1e-2)
     for _ in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g).to("cuda", torch.bfloat16)

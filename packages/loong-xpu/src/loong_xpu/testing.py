@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from loong_xpu.accelerator import Accelerator
@@ -83,3 +84,16 @@ def megatron_cuda() -> Iterator[None]:
     """:func:`megatron_world` on the first CUDA device, for the duration of a (GPU) test module."""
     with megatron_world(get_accelerator("cuda")):
         yield
+
+
+def hybrid_device_optimizer(params: list[torch.nn.Parameter], offload_fraction: float, *, patched: bool, lr: float,
+                            weight_decay: float = 0.1):  # fmt: skip
+    """megatron's host-offloaded optimizer over CUDA ``params`` as megatron's optimizer factory builds
+    it (torch's fused AdamW on both sides, fp32 update, copies overlapped on side streams), built
+    with the patch manifest applied (``patched``: loong_xpu.offload_copy_back's copy-back) or not."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    with redirect_cuda(get_accelerator("cuda")) if patched else contextlib.nullcontext():
+        return HybridDeviceOptimizer(params, offload_fraction=offload_fraction, cpu_optimizer_cls=torch.optim.AdamW,
+                                     gpu_optimizer_cls=torch.optim.AdamW, overlap_cpu_optimizer_d2h_h2d=True,
+                                     param_update_in_fp32=True, lr=lr, weight_decay=weight_decay, fused=True)  # fmt: skip
