@@ -15,6 +15,7 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py --levers --mbs 4 --variants baseline a2a-overlap     # GPU-bound micro-batches
     python bench/moe_throughput.py --levers --mbs 4 --forced-routing --variants baseline a2a-overlap  # balanced
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer
+    python bench/moe_throughput.py --levers --precision-aware --variants baseline offload-optimizer@1 offload-optimizer@0.6
 
 Each variant also prints the router's load imbalance (busiest expert over the mean) and the EP
 ranks' (busiest rank's routed tokens over the mean rank's): with unequal expert work the
@@ -56,7 +57,8 @@ VARIANTS: dict[str, list[str]] = {
     # every offload point megatron has: the attention's and the MLP's inputs wait in host memory too
     "offload-all": ["parallel.offload_activations=[attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm,expert_fc1,moe_act]"],
     # the optimizer's master weights and Adam moments in host memory, updated there (megatron's
-    # HybridDeviceOptimizer; --precision-aware; the share: --optimizer-offload-fraction)
+    # HybridDeviceOptimizer; --precision-aware; the share: --optimizer-offload-fraction, or per
+    # variant as offload-optimizer@0.6)
     "offload-optimizer": [],
 }
 
@@ -93,6 +95,13 @@ def check_same_samples(results: list[Result], tol: float = 1e-2) -> str:
     return f"same samples: the step-1 losses of all {len(results)} variants agree within {tol} ({base.first_loss:.4f})"
 
 
+def split_variant(variant: str) -> tuple[str, float | None]:
+    """``offload-optimizer@0.6`` -> ("offload-optimizer", 0.6): a variant and the optimizer offload share
+    it runs with (None: --optimizer-offload-fraction), so that one run can compare several shares."""
+    name, at, share = variant.partition("@")
+    return name, (float(share) if at else None)
+
+
 def mfu(f, seq: int, tokens_per_s_per_gpu: float, peak: float = PEAK) -> float:
     """The model's own FLOP count (loong-models: N = active parameters) at this throughput."""
     return f.flops_per_token(seq) * tokens_per_s_per_gpu / peak
@@ -127,7 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="megatron's forced load balancing instead of the router's own choice (default: real routing)",
     )
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
-    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
+                   help=f"any of {', '.join(VARIANTS)}; offload-optimizer@F: with offload share F")  # fmt: skip
     p.add_argument("--device", default="cuda", help="LOONG_DEVICE of the runs (cpu: smoke-test this script)")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--extra", nargs="*", default=[], help="extra train-app overrides for every variant")
@@ -147,7 +157,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
                    help="offload-optimizer: the share of the optimizer's parameters updated on the host")  # fmt: skip
     args = p.parse_args(argv)
-    if "offload-optimizer" in args.variants and not args.precision_aware:
+    for variant in args.variants:
+        try:
+            name, share = split_variant(variant)
+        except ValueError:
+            p.error(f"--variants {variant}: the share after @ must be a number")
+        if name not in VARIANTS:
+            p.error(f"--variants {variant}: unknown variant {name!r} (expected one of {', '.join(VARIANTS)})")
+        if share is not None and (name != "offload-optimizer" or not 0 < share <= 1):
+            p.error(f"--variants {variant}: only offload-optimizer takes a share, in (0, 1]")
+    if any(split_variant(v)[0] == "offload-optimizer" for v in args.variants) and not args.precision_aware:
         p.error("the offload-optimizer variant needs --precision-aware (megatron's host offload runs on its path)")
     args.ep = args.ep or args.gpus
     if args.gpus % args.ep:
@@ -158,6 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train_command(args, variant: str, out: Path) -> list[str]:
+    name, share = split_variant(variant)
     global_batch = args.mbs * args.microbatches * args.gpus  # dense data-parallel size = gpus (tp = pp = 1)
     overrides = [
         f"model={args.model}", f"model.foundation.num_layers={args.layers}", f"data.seq_length={args.seq}",
@@ -173,8 +193,9 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         # one EP rank did all the expert work and overlap could not pay.
         *(["++model.foundation.extra.moe_router_force_load_balancing=true"] if args.forced_routing else []),
         *(["optim.precision_aware=true"] if args.precision_aware else []),
-        *VARIANTS[variant],
-        *([f"optim.offload_fraction={args.optimizer_offload_fraction}"] if variant == "offload-optimizer" else []),
+        *VARIANTS[name],
+        *([f"optim.offload_fraction={args.optimizer_offload_fraction if share is None else share}"]
+          if name == "offload-optimizer" else []),
         *(LEVERS if args.levers else []),
         *args.extra,
         # the profiled step comes after the measured ones and is left out of the median
@@ -221,12 +242,12 @@ def table(args, f, results: list[Result]) -> str:
         f"{f.num_active_parameters() / 1e9:.2f}B active, {f.moe.num_experts} experts top-{f.moe.router_topk} | "
         f"seq {args.seq}, micro-batch {args.mbs} x {args.microbatches} | {args.gpus} GPUs, EP {args.ep} | "
         f"median of {args.steps - args.warmup} steps after {args.warmup}",
-        f"{'variant':<14} {'step s':>8} {'tokens/s/GPU':>13} {'MFU':>6} {'peak GiB (rank 0)':>18} {'vs baseline':>12}",
+        f"{'variant':<22} {'step s':>8} {'tokens/s/GPU':>13} {'MFU':>6} {'peak GiB (rank 0)':>18} {'vs baseline':>12}",
     ]
     base = next((r for r in results if r.variant == "baseline"), None)
     for r in results:
         ratio = f"{r.tokens_per_s_per_gpu / base.tokens_per_s_per_gpu:.3f}x" if base else "-"
-        lines.append(f"{r.variant:<14} {r.step_s:8.3f} {r.tokens_per_s_per_gpu:13,.0f} {r.mfu:6.3f} "
+        lines.append(f"{r.variant:<22} {r.step_s:8.3f} {r.tokens_per_s_per_gpu:13,.0f} {r.mfu:6.3f} "
                      f"{r.peak_gib:18.2f} {ratio:>12}")  # fmt: skip
     return "\n".join(lines)
 

@@ -36,6 +36,19 @@ def test_optimizer_offload_is_compared_against_a_precision_aware_baseline(tmp_pa
     assert set(offload) - set(base) == {"optim.offload_fraction=0.5", f"train.output_dir={tmp_path / 'o'}"}
 
 
+def test_one_run_compares_several_optimizer_offload_shares(tmp_path):
+    args = bench.parse_args(["--precision-aware", "--optimizer-offload-fraction", "0.5",
+                             "--variants", "baseline", "offload-optimizer@1", "offload-optimizer@0.6", "offload-optimizer"])  # fmt: skip
+    commands = [bench.train_command(args, v, tmp_path / str(i)) for i, v in enumerate(args.variants)]
+    shares = [[a for a in c if a.startswith("optim.offload_fraction=")] for c in commands]
+    assert shares == [[], ["optim.offload_fraction=1.0"], ["optim.offload_fraction=0.6"], ["optim.offload_fraction=0.5"]]
+    for bad in ("offload-optimizer@0", "offload-optimizer@1.5", "offload-optimizer@x", "a2a-overlap@0.5", "nope"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--precision-aware", "--variants", "baseline", bad])
+    with pytest.raises(SystemExit):  # the precision-aware check sees a share's variant too
+        bench.parse_args(["--variants", "baseline", "offload-optimizer@0.6"])
+
+
 def test_each_variant_is_its_own_torchrun_job(tmp_path):
     args = bench.parse_args(["--gpus", "2", "--variants", "baseline", "a2a-overlap"])
     base = bench.train_command(args, "baseline", tmp_path / "baseline")
