@@ -90,7 +90,8 @@ def hybrid_device_optimizer(params: list[torch.nn.Parameter], offload_fraction: 
                             weight_decay: float = 0.1):  # fmt: skip
     """megatron's host-offloaded optimizer over CUDA ``params`` as megatron's optimizer factory builds
     it (torch's fused AdamW on both sides, fp32 update, copies overlapped on side streams), built
-    with the patch manifest applied (``patched``: loong_xpu.offload_copy_back's copy-back) or not."""
+    with the patch manifest applied (``patched``: loong_xpu.offload_copy_back's copy-back and
+    loong_xpu.offload_buckets' host optimizers) or not."""
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
     with redirect_cuda(get_accelerator("cuda")) if patched else contextlib.nullcontext():
