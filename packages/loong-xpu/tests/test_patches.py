@@ -73,7 +73,9 @@ def test_cuda_backend_patches_only_the_apex_stand_in_and_megatron_corrections():
                                    "megatron.core.transformer.experimental_attention_variant.absorbed_mla:"
                                    "AbsorbedMLASelfAttention.__init__",
                                    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer."
-                                   "_register_param_copy_back_gpu_hook"]  # fmt: skip
+                                   "_register_param_copy_back_gpu_hook",
+                                   "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer."
+                                   "build_cpu_optimizer_list"]  # fmt: skip
     finally:
         patches.remove()
 
