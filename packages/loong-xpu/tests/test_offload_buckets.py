@@ -14,6 +14,9 @@ def test_tensors_are_cut_into_runs_in_order_and_a_large_one_stands_alone():
     assert [[t.numel() for t in r] for r in runs] == [[3, 4], [2], [9], [1, 1, 5]]
     assert [t for r in runs for t in r] == ts  # every tensor once, in order
     assert buckets([], 8) == []
+    empty = torch.empty(0)
+    assert [[t.numel() for t in r] for r in buckets([empty, *ts[:2]], 8)] == [[0, 3, 4]]
+    assert [len(r) for r in buckets(ts, 0)] == [1] * len(ts)  # limit 0: one tensor each, as megatron builds them
 
 
 def test_the_manifest_replaces_the_static_method_and_restores_it_as_one():

@@ -27,9 +27,9 @@ BUCKET = 1 << 25  # elements per host optimizer (128 MiB of fp32)
 def buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     """``params`` in order, cut into runs of at most ``limit`` elements (a larger tensor alone)."""
     runs: list[list[torch.Tensor]] = []
-    size = limit  # start a new run at the first tensor
+    size = 0
     for p in params:
-        if size + p.numel() > limit:
+        if not runs or size + p.numel() > limit:
             runs.append([])
             size = 0
         runs[-1].append(p)
