@@ -14,12 +14,11 @@ median after --warmup steps is reported, and the weights must come out bit for b
     python bench/offload_copy_back.py --params 1.55e9 --tensors 528  # one EP=2 rank's tensors
     python bench/offload_copy_back.py --params 1e8 --steps 4 --warmup 1
 
-On one H200 (16 host threads, 0.78B parameters): megatron's copy 0.736 s a step, Loong's 0.251 s,
-the same weights (before the buckets). ``--params 1.55e9 --tensors 528 --threads 16`` in two
-processes at once on a 2-GPU H200 host: megatron 1.509 / 1.492 s, pinned copy-back 0.533 / 0.656 s,
-pinned + buckets 0.432 / 0.429 s, the same weights. Two processes at once, one per GPU of a 2-GPU host, 1.55B parameters each (an
-EP=2 rank) and the earlier version of the patch (host-side cast into pinned bf16 buffers): 1.668 /
-1.603 s against 0.631 / 0.525 s.
+Measured on H200s, the same weights in every variant:
+- one GPU, 16 host threads, 0.78B parameters, before the buckets: megatron 0.736 s a step, pinned
+  copy-back 0.251 s;
+- ``--params 1.55e9 --tensors 528 --threads 16`` in two processes at once, one per GPU of a 2-GPU
+  host: megatron 1.509 / 1.492 s, pinned copy-back 0.533 / 0.656 s, pinned + buckets 0.432 / 0.429 s.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -466,7 +467,7 @@ _ABSENT = object()  # the original of an attribute the module did not have
 
 
 def _restore(owner: object, attr: str, marker: str) -> None:
-    original = vars(owner)[marker]  # as stored: getattr would unwrap a staticmethod
+    original = inspect.getattr_static(owner, marker)  # as stored: getattr would unwrap a staticmethod
     if original is _ABSENT:
         delattr(owner, attr)
     else:
@@ -510,8 +511,8 @@ def _apply_all(accel: Accelerator, patches: PatchSet) -> None:
             if patch.on_cuda:  # an enclosing PatchSet supplies it (e.g. a host template built
                 continue  # during a CUDA run): the same replacement on every backend
             raise RuntimeError(f"{patch.target} is already patched: remove the other PatchSet first")
-        # a class's own attribute as stored (a staticmethod stays one when it is restored)
-        original = vars(owner)[attr] if isinstance(owner, type) and attr in vars(owner) else getattr(owner, attr, _ABSENT)
+        # the attribute as stored, so that a staticmethod is restored as one (getattr unwraps it)
+        original = inspect.getattr_static(owner, attr, _ABSENT)
         # (a method gone from the class may leave its abstract base's in view)
         if patch.wraps and (original is _ABSENT or getattr(original, "__isabstractmethod__", False)):
             raise RuntimeError(f"loong_xpu patch {patch.target}: {attr} is gone from {getattr(owner, '__name__', owner)} "
