@@ -80,6 +80,7 @@ def test_the_fp8_recipes_follow_the_compute_capability():
 
 @pytest.mark.parametrize(("model", "parallel", "key"), [
     (ModelConfig(attention_backend="fused"), ParallelConfig(), "model.attention_backend"),
+    (ModelConfig(grouped_gemm_kernel="cutlass"), ParallelConfig(), "model.grouped_gemm_kernel"),
     (ModelConfig(), ParallelConfig(moe_delay_wgrad=True), "parallel.moe_delay_wgrad=true"),
 ])  # fmt: skip
 def test_te_levers_are_refused_off_cuda_and_on_local_layers_naming_the_key(model, parallel, key):

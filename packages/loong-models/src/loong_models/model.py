@@ -28,7 +28,13 @@ from loong_models.image_projector import (
 )
 from loong_models.lora import LoraConfig, apply_lora
 from loong_models.omni import OmniCombinationModel, VisionTokenIds
-from loong_models.specs import AttentionBackend, LayerBackend, resolve_backend
+from loong_models.specs import (
+    AttentionBackend,
+    GroupedGemmKernel,
+    LayerBackend,
+    resolve_backend,
+    select_grouped_gemm_kernel,
+)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 VISION_TOKEN_KEYS = tuple(f.name for f in dataclasses.fields(VisionTokenIds))  # also ModelConfig's keys
@@ -52,6 +58,9 @@ class ModelConfig:
     layer_backend: LayerBackend = LayerBackend.auto
     # TE's attention kernel: auto | flash | fused (cuDNN) | unfused; anything but auto needs TE layers
     attention_backend: AttentionBackend = AttentionBackend.auto
+    # TE's kernel for the MoE experts' grouped GEMMs: auto | cublas | cutlass (specs.GroupedGemmKernel);
+    # anything but auto needs TE layers and an MoE foundation
+    grouped_gemm_kernel: GroupedGemmKernel = GroupedGemmKernel.auto
     # With TE layers: megatron's torch.compile'd bias-dropout-add (after attention and MLP) and
     # bias-SwiGLU, in every component; each call costs ~0.2 ms of host time (guards, AOT wrapper,
     # Triton launch), which a host-bound step (small layers, many of them) pays in wall time.
@@ -103,6 +112,9 @@ class ModelConfig:
             self._validate_diffusion(prefix)
             return
         self.foundation.validate(f"{prefix}.foundation")
+        if self.grouped_gemm_kernel != "auto" and self.foundation.moe is None:
+            raise ValueError(f"{prefix}.grouped_gemm_kernel={self.grouped_gemm_kernel} needs an MoE foundation "
+                             f"({prefix}.foundation.moe is null): only the experts run grouped GEMMs")  # fmt: skip
         self._validate_fused_mlp(prefix)
         self._validate_fused_qkv_rope(prefix)
         if (self.image_encoder is None) != (self.image_projector is None):
@@ -332,6 +344,8 @@ def build_model(
     backend = layer_backend or resolve_backend(cfg.layer_backend, device_type)
     if cfg.diffusion is not None:
         return _build_diffusion(cfg, config, backend)
+    if backend == "te" and cfg.foundation.moe is not None:
+        select_grouped_gemm_kernel(cfg.grouped_gemm_kernel)
     foundation = build_foundation(
         cfg.foundation,
         config,

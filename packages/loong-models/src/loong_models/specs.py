@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -59,6 +60,32 @@ class AttentionBackend(StrEnum):
     flash = "flash"  # FlashAttention (TE's flash-attn backend; needs the flash-attn package)
     fused = "fused"  # cuDNN fused attention
     unfused = "unfused"  # TE's plain softmax(QK^T)V
+
+
+class GroupedGemmKernel(StrEnum):
+    """TE's kernel for the MoE experts' grouped GEMMs (``model.grouped_gemm_kernel``). Only with
+    TE layers and an MoE foundation."""
+
+    auto = "auto"  # TE's default: one cuBLAS GEMM per expert on a pool of streams (or as NVTE_* says)
+    cublas = "cublas"  # one cuBLAS GEMM per expert, whatever the environment says
+    # Hopper, BF16/FP16: one CUTLASS grouped kernel for all of a layer's experts wherever TE can
+    # (uniform K, a multiple of 128: the forward and data-gradient GEMMs); the weight gradients,
+    # whose K is each expert's token count, and other GPUs keep cuBLAS. One launch instead of one
+    # per expert: less host time a micro-batch, which a host-bound MoE step pays in wall time.
+    cutlass = "cutlass"
+
+
+# TE reads this switch from the process environment on every grouped GEMM (as megatron's
+# attention_backend sets TE's NVTE_*_ATTN switches): there is no per-module argument.
+GROUPED_GEMM_ENV = "NVTE_USE_CUTLASS_GROUPED_GEMM"
+
+
+def select_grouped_gemm_kernel(choice: GroupedGemmKernel | str) -> None:
+    """Set TE's grouped-GEMM switch for ``choice``; ``auto`` leaves the environment as it is."""
+    choice = GroupedGemmKernel(choice)
+    if choice != GroupedGemmKernel.auto:
+        os.environ[GROUPED_GEMM_ENV] = "1" if choice == GroupedGemmKernel.cutlass else "0"
+        logger.info("MoE experts' grouped GEMMs: %s (%s=%s)", choice, GROUPED_GEMM_ENV, os.environ[GROUPED_GEMM_ENV])
 
 
 def attention_backend_fields(choice: AttentionBackend | str) -> dict:

@@ -19,6 +19,7 @@ logger = logging.getLogger("loong_parallel")
 FEATURE_KEYS: tuple[tuple[str, Callable[[ModelConfig, ParallelConfig], bool], str], ...] = (
     ("model.layer_backend=te", lambda m, p: m.layer_backend == "te", "te"),
     ("model.attention_backend", lambda m, p: m.attention_backend != "auto", "te"),
+    ("model.grouped_gemm_kernel", lambda m, p: m.grouped_gemm_kernel != "auto", "te"),
     ("parallel.cuda_graphs", lambda m, p: p.cuda_graphs != "none", "cuda_graphs"),
     ("parallel.moe_a2a_overlap=true", lambda m, p: p.moe_a2a_overlap, "side_streams"),
     ("parallel.moe_delay_wgrad=true", lambda m, p: p.moe_delay_wgrad, "te"),
@@ -27,7 +28,7 @@ FEATURE_KEYS: tuple[tuple[str, Callable[[ModelConfig, ParallelConfig], bool], st
 )
 
 # keys that tune TE layers: refused when model.layer_backend resolves to the local backend
-_NEED_TE_LAYERS = ("model.attention_backend", "parallel.cuda_graphs", "parallel.moe_delay_wgrad=true")
+_NEED_TE_LAYERS = ("model.attention_backend", "model.grouped_gemm_kernel", "parallel.cuda_graphs", "parallel.moe_delay_wgrad=true")
 
 
 def require_features(model: ModelConfig, parallel: ParallelConfig, accel: Accelerator) -> None:
