@@ -49,12 +49,12 @@ def test_the_kernel_choice_sets_tes_switch_and_auto_leaves_it(monkeypatch, choic
 
 
 def test_local_layers_leave_tes_switch_alone(monkeypatch, megatron_cpu):
-    monkeypatch.delenv(GROUPED_GEMM_ENV, raising=False)
+    monkeypatch.setenv(GROUPED_GEMM_ENV, "as set by the user")  # setenv: restored after the test
     f = moe_foundation()
     config = build_transformer_config(f, use_cpu_initialization=True, **fusion_fields("local"))
     build_model(ModelConfig(foundation=f, layer_backend="local", grouped_gemm_kernel="cutlass"), config,
                 device_type="cpu")  # fmt: skip
-    assert GROUPED_GEMM_ENV not in os.environ
+    assert os.environ[GROUPED_GEMM_ENV] == "as set by the user"
 
 
 def _loss_and_grads(model, tokens, kernel: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
@@ -76,7 +76,9 @@ def _loss_and_grads(model, tokens, kernel: str) -> tuple[torch.Tensor, dict[str,
 def test_cutlass_grouped_gemms_run_and_match_cublas(monkeypatch, megatron_cuda):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("TE's CUTLASS grouped GEMM runs on Hopper only")
-    monkeypatch.delenv(GROUPED_GEMM_ENV, raising=False)
+    # setenv, not delenv: monkeypatch restores only what it changed, and the switch set below
+    # would otherwise stay on for every later test of this process
+    monkeypatch.setenv(GROUPED_GEMM_ENV, "0")
     f = moe_foundation()
     config = build_transformer_config(f, params_dtype=torch.bfloat16, bf16=True, **fusion_fields("te"))
     model = build_model(ModelConfig(foundation=f, layer_backend="te", grouped_gemm_kernel="cublas"), config,
