@@ -15,6 +15,7 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py --levers --mbs 4 --variants baseline a2a-overlap     # GPU-bound micro-batches
     python bench/moe_throughput.py --levers --mbs 4 --forced-routing --variants baseline a2a-overlap  # balanced
     python bench/moe_throughput.py --levers --mbs 4 --microbatches 8 --variants baseline cutlass a2a-overlap-cutlass  # TE's CUTLASS grouped GEMM
+    python bench/moe_throughput.py --levers --mbs 4 --microbatches 8 --variants cublaslt a2a-overlap-cublaslt  # TE's cuBLASLt grouped GEMM
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer
     python bench/moe_throughput.py --levers --precision-aware --variants baseline offload-optimizer@1 offload-optimizer@0.6
 
@@ -57,6 +58,9 @@ VARIANTS: dict[str, list[str]] = {
     # Hopper, BF16): less host time a micro-batch, which the combined schedule needs most
     "cutlass": ["++model.grouped_gemm_kernel=cutlass"],
     "a2a-overlap-cutlass": ["parallel.moe_a2a_overlap=true", "++model.grouped_gemm_kernel=cutlass"],
+    # TE's cuBLASLt grouped GEMM (Hopper: cuBLASLt >= 13.4): the weight gradients grouped as well
+    "cublaslt": ["++model.grouped_gemm_kernel=cublaslt"],
+    "a2a-overlap-cublaslt": ["parallel.moe_a2a_overlap=true", "++model.grouped_gemm_kernel=cublaslt"],
     # the inputs of the experts' first linear and of their activation wait in host memory
     "offload": ["parallel.offload_activations=[expert_fc1,moe_act]"],
     # every offload point megatron has: the attention's and the MLP's inputs wait in host memory too

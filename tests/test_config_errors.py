@@ -59,7 +59,7 @@ def test_bad_values_name_the_key(override, message):
         ("++model.foundation.precision.recipe=nvfp4", "model.foundation.precision.recipe",
          "tensorwise, blockwise, delayed, mxfp8"),
         ("++model.attention_backend=sdpa", "model.attention_backend", "auto, flash, fused, unfused"),
-        ("++model.grouped_gemm_kernel=fast", "model.grouped_gemm_kernel", "auto, cublas, cutlass"),
+        ("++model.grouped_gemm_kernel=fast", "model.grouped_gemm_kernel", "auto, cublas, cutlass, cublaslt"),
     ],
 )
 def test_choices_name_the_allowed_values(override, key, allowed):

@@ -20,6 +20,7 @@ from loong_models.diffusion.towers import TextEncoderConfig, VaeConfig
 from loong_models.embodied.pi05 import Pi05Config
 from loong_models.flops import Work
 from loong_models.foundation import FoundationConfig, build_foundation, get_family
+from loong_models.grouped_gemm import use_cublaslt_grouped_gemms
 from loong_models.image_encoder import ImageEncoder, ImageEncoderConfig, build_encoder_transformer_config
 from loong_models.image_projector import (
     ImageProjector,
@@ -58,7 +59,7 @@ class ModelConfig:
     layer_backend: LayerBackend = LayerBackend.auto
     # TE's attention kernel: auto | flash | fused (cuDNN) | unfused; anything but auto needs TE layers
     attention_backend: AttentionBackend = AttentionBackend.auto
-    # TE's kernel for the MoE experts' grouped GEMMs: auto | cublas | cutlass (specs.GroupedGemmKernel);
+    # TE's kernel for the MoE experts' grouped GEMMs: auto | cublas | cutlass | cublaslt (specs.GroupedGemmKernel);
     # anything but auto needs TE layers and an MoE foundation
     grouped_gemm_kernel: GroupedGemmKernel = GroupedGemmKernel.auto
     # With TE layers: megatron's torch.compile'd bias-dropout-add (after attention and MLP) and
@@ -356,6 +357,8 @@ def build_model(
         scatter_embedding_sequence_parallel=not cfg.is_multimodal,
         deepstack=cfg.is_multimodal and bool(cfg.image_encoder.deepstack_visual_indexes),
     )
+    if backend == "te" and cfg.foundation.moe is not None and cfg.grouped_gemm_kernel == "cublaslt":
+        use_cublaslt_grouped_gemms(foundation, config.params_dtype)
     if not cfg.is_multimodal:
         return _with_lora(cfg, foundation, {"foundation": foundation})
     enc_cfg, proj_cfg = cfg.image_encoder, cfg.image_projector

@@ -73,6 +73,11 @@ class GroupedGemmKernel(StrEnum):
     # whose K is each expert's token count, and other GPUs keep cuBLAS. One launch instead of one
     # per expert: less host time a micro-batch, which a host-bound MoE step pays in wall time.
     cutlass = "cutlass"
+    # TE's cuBLASLt grouped GEMM on grouped tensors (Hopper: cuBLASLt >= 13.4; BF16/FP16): one
+    # launch per grouped GEMM, the weight gradients' included, with the split sizes on the device
+    # (loong_models.grouped_gemm). FP8 recipes the path lacks fall back to TE's per-expert GEMMs,
+    # which then read the split sizes back to the host on every call: use cublas or cutlass there.
+    cublaslt = "cublaslt"
 
 
 # TE reads this switch from the process environment on every grouped GEMM (as megatron's
@@ -81,7 +86,9 @@ GROUPED_GEMM_ENV = "NVTE_USE_CUTLASS_GROUPED_GEMM"
 
 
 def select_grouped_gemm_kernel(choice: GroupedGemmKernel | str) -> None:
-    """Set TE's grouped-GEMM switch for ``choice``; ``auto`` leaves the environment as it is."""
+    """Set TE's grouped-GEMM switch for ``choice``; ``auto`` leaves the environment as it is.
+    (``cublaslt`` turns the CUTLASS switch off; its modules are switched by
+    :func:`loong_models.grouped_gemm.use_cublaslt_grouped_gemms`.)"""
     choice = GroupedGemmKernel(choice)
     if choice != GroupedGemmKernel.auto:
         os.environ[GROUPED_GEMM_ENV] = "1" if choice == GroupedGemmKernel.cutlass else "0"
