@@ -80,6 +80,23 @@ def test_the_cublaslt_hook_hands_the_split_sizes_over_as_an_int64_tensor():
     assert linear.seen is given  # a tensor already: passed on as it is
 
 
+def _tiny_te_moe_model(f: FoundationConfig) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The GPU tests' bf16 TE model of ``f`` (built with per-expert cuBLAS) and its tokens."""
+    config = build_transformer_config(f, params_dtype=torch.bfloat16, bf16=True, **fusion_fields("te"))
+    model = build_model(ModelConfig(foundation=f, layer_backend="te", grouped_gemm_kernel="cublas"), config,
+                        device_type="cuda").cuda()  # fmt: skip
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    return model, tokens
+
+
+def _assert_matches_cublas(loss, grads, loss_cublas, grads_cublas) -> None:
+    torch.testing.assert_close(loss, loss_cublas, rtol=0, atol=2e-3)
+    assert grads.keys() == grads_cublas.keys()
+    for name, g in grads_cublas.items():  # bf16 GEMMs accumulated in another order: relative to the gradient's size
+        err = (grads[name] - g).abs().max().item()
+        assert err <= 2e-2 * g.abs().max().item() + 1e-6, (name, err, g.abs().max().item())
+
+
 def _loss_and_grads(model, tokens, kernel: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
     select_grouped_gemm_kernel(kernel)
     model.zero_grad(set_to_none=True)
@@ -103,10 +120,7 @@ def test_cutlass_grouped_gemms_run_and_match_cublas(monkeypatch, megatron_cuda):
     # would otherwise stay on for every later test of this process
     monkeypatch.setenv(GROUPED_GEMM_ENV, "0")
     f = moe_foundation()
-    config = build_transformer_config(f, params_dtype=torch.bfloat16, bf16=True, **fusion_fields("te"))
-    model = build_model(ModelConfig(foundation=f, layer_backend="te", grouped_gemm_kernel="cublas"), config,
-                        device_type="cuda").cuda()  # fmt: skip
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    model, tokens = _tiny_te_moe_model(f)
     loss_cublas, grads_cublas, kernels_cublas = _loss_and_grads(model, tokens, "cublas")
     loss_cutlass, grads_cutlass, kernels_cutlass = _loss_and_grads(model, tokens, "cutlass")
 
@@ -114,13 +128,9 @@ def test_cutlass_grouped_gemms_run_and_match_cublas(monkeypatch, megatron_cuda):
     assert any("cutlass" in k.lower() for k in only_cutlass), sorted(only_cutlass)[:20]
     assert len(kernels_cutlass) < len(kernels_cublas)  # one launch per grouped GEMM, not one per expert
     assert torch.isfinite(loss_cutlass)
-    torch.testing.assert_close(loss_cutlass, loss_cublas, rtol=0, atol=2e-3)
-    assert grads_cutlass.keys() == grads_cublas.keys()
     experts = [n for n in grads_cublas if "experts" in n]
     assert experts, list(grads_cublas)
-    for name, g in grads_cublas.items():  # bf16 GEMMs accumulated in another order: relative to the gradient's size
-        err = (grads_cutlass[name] - g).abs().max().item()
-        assert err <= 2e-2 * g.abs().max().item() + 1e-6, (name, err, g.abs().max().item())
+    _assert_matches_cublas(loss_cutlass, grads_cutlass, loss_cublas, grads_cublas)
 
 
 @pytest.mark.gpu
@@ -134,10 +144,7 @@ def test_cublaslt_grouped_gemms_run_and_match_cublas(monkeypatch, megatron_cuda)
         pytest.skip(f"TE's cuBLASLt grouped GEMM does not run here ({found})")
     monkeypatch.setenv(GROUPED_GEMM_ENV, "0")
     f = moe_foundation()
-    config = build_transformer_config(f, params_dtype=torch.bfloat16, bf16=True, **fusion_fields("te"))
-    model = build_model(ModelConfig(foundation=f, layer_backend="te", grouped_gemm_kernel="cublas"), config,
-                        device_type="cuda").cuda()  # fmt: skip
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    model, tokens = _tiny_te_moe_model(f)
     loss_cublas, grads_cublas, kernels_cublas = _loss_and_grads(model, tokens, "cublas")
     _, _, kernels_cutlass = _loss_and_grads(model, tokens, "cutlass")
     handles = use_cublaslt_grouped_gemms(model, torch.bfloat16)
@@ -149,8 +156,4 @@ def test_cublaslt_grouped_gemms_run_and_match_cublas(monkeypatch, megatron_cuda)
     # weight gradients grouped too: fewer launches than CUTLASS, which groups only forward and dgrad
     # (and runs on Hopper only: elsewhere it is cuBLAS again)
     assert len(kernels_lt) < min(len(kernels_cutlass), len(kernels_cublas)), (len(kernels_lt), only_lt[:20])
-    torch.testing.assert_close(loss_lt, loss_cublas, rtol=0, atol=2e-3)
-    assert grads_lt.keys() == grads_cublas.keys()
-    for name, g in grads_cublas.items():
-        err = (grads_lt[name] - g).abs().max().item()
-        assert err <= 2e-2 * g.abs().max().item() + 1e-6, (name, err, g.abs().max().item())
+    _assert_matches_cublas(loss_lt, grads_lt, loss_cublas, grads_cublas)

@@ -345,8 +345,6 @@ def build_model(
     backend = layer_backend or resolve_backend(cfg.layer_backend, device_type)
     if cfg.diffusion is not None:
         return _build_diffusion(cfg, config, backend)
-    if backend == "te" and cfg.foundation.moe is not None:
-        select_grouped_gemm_kernel(cfg.grouped_gemm_kernel)
     foundation = build_foundation(
         cfg.foundation,
         config,
@@ -357,8 +355,10 @@ def build_model(
         scatter_embedding_sequence_parallel=not cfg.is_multimodal,
         deepstack=cfg.is_multimodal and bool(cfg.image_encoder.deepstack_visual_indexes),
     )
-    if backend == "te" and cfg.foundation.moe is not None and cfg.grouped_gemm_kernel == "cublaslt":
-        use_cublaslt_grouped_gemms(foundation, config.params_dtype)
+    if backend == "te" and cfg.foundation.moe is not None:
+        select_grouped_gemm_kernel(cfg.grouped_gemm_kernel)  # TE reads the switch on every call
+        if cfg.grouped_gemm_kernel == "cublaslt":
+            use_cublaslt_grouped_gemms(foundation, config.params_dtype)
     if not cfg.is_multimodal:
         return _with_lora(cfg, foundation, {"foundation": foundation})
     enc_cfg, proj_cfg = cfg.image_encoder, cfg.image_projector
