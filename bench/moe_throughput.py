@@ -18,6 +18,7 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py --levers --mbs 4 --microbatches 8 --variants cublaslt a2a-overlap-cublaslt  # TE's cuBLASLt grouped GEMM
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer
     python bench/moe_throughput.py --levers --precision-aware --variants baseline offload-optimizer@1 offload-optimizer@0.6
+    python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer@1 offload-optimizer-device@1  # host vs device update
 
 Each variant also prints the router's load imbalance (busiest expert over the mean) and the EP
 ranks' (busiest rank's routed tokens over the mean rank's): with unequal expert work the
@@ -68,8 +69,12 @@ VARIANTS: dict[str, list[str]] = {
     # the optimizer's master weights and Adam moments in host memory, updated there (megatron's
     # HybridDeviceOptimizer; --precision-aware; the share: --optimizer-offload-fraction, or per
     # variant as offload-optimizer@0.6)
-    "offload-optimizer": [],
+    "offload-optimizer": ["optim.offload_update=host"],
+    # the same state in host memory, streamed through the GPU and updated there each step
+    # (loong_xpu.offload_device_update); the share as above
+    "offload-optimizer-device": ["optim.offload_update=device"],
 }
+OPTIMIZER_OFFLOAD = ("offload-optimizer", "offload-optimizer-device")  # the variants that take a share
 
 # The MoE levers that paid at EP=4 (--levers, added to every variant): TE's fused token permutation
 # and router kernels (megatron's moe_permute_fusion / moe_router_fusion) and the weight-gradient
@@ -146,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
-                   help=f"any of {', '.join(VARIANTS)}; offload-optimizer@F: with offload share F")  # fmt: skip
+                   help=f"any of {', '.join(VARIANTS)}; offload-optimizer[-device]@F: with offload share F")  # fmt: skip
     p.add_argument("--device", default="cuda", help="LOONG_DEVICE of the runs (cpu: smoke-test this script)")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--extra", nargs="*", default=[], help="extra train-app overrides for every variant")
@@ -173,10 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--variants {variant}: the share after @ must be a number")
         if name not in VARIANTS:
             p.error(f"--variants {variant}: unknown variant {name!r} (expected one of {', '.join(VARIANTS)})")
-        if share is not None and (name != "offload-optimizer" or not 0 < share <= 1):
-            p.error(f"--variants {variant}: only offload-optimizer takes a share, in (0, 1]")
-    if any(split_variant(v)[0] == "offload-optimizer" for v in args.variants) and not args.precision_aware:
-        p.error("the offload-optimizer variant needs --precision-aware (megatron's host offload runs on its path)")
+        if share is not None and (name not in OPTIMIZER_OFFLOAD or not 0 < share <= 1):
+            p.error(f"--variants {variant}: only {' and '.join(OPTIMIZER_OFFLOAD)} take a share, in (0, 1]")
+    if any(split_variant(v)[0] in OPTIMIZER_OFFLOAD for v in args.variants) and not args.precision_aware:
+        p.error("the offload-optimizer variants need --precision-aware (megatron's host offload runs on its path)")
     args.ep = args.ep or args.gpus
     if args.gpus % args.ep:
         p.error(f"--ep {args.ep} must divide --gpus {args.gpus}")
@@ -204,7 +209,7 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         *(["optim.precision_aware=true"] if args.precision_aware else []),
         *VARIANTS[name],
         *([f"optim.offload_fraction={args.optimizer_offload_fraction if share is None else share}"]
-          if name == "offload-optimizer" else []),
+          if name in OPTIMIZER_OFFLOAD else []),
         *(LEVERS if args.levers else []),
         *args.extra,
         # the profiled step comes after the measured ones and is left out of the median

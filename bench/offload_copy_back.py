@@ -1,29 +1,38 @@
 """The step of megatron's host-offloaded optimizer (HybridDeviceOptimizer, Loong's
 optim.offload_fraction) as megatron builds it, against loong_xpu's manifest patches: the pinned
 copy of the updated weights back to the GPU (loong_xpu.offload_copy_back), first with megatron's
-one host AdamW per tensor, then with one per bucket of tensors (loong_xpu.offload_buckets), on one
-GPU.
+one host AdamW per tensor, then with one per bucket of tensors (loong_xpu.offload_buckets), then
+with the host state streamed through the GPU and updated there (loong_xpu.offload_device_update,
+optim.offload_update=device), on one GPU.
 
 All variants build the optimizer the way megatron's precision-aware distributed optimizer does
 (bf16 weights, fp32 gradients in ``decoupled_grad``, fp32 update, copies on side streams, fused
 AdamW on the host) over the same weights and gradients; each step is timed to the GPU's end, the
-median after --warmup steps is reported, and the weights must come out bit for bit the same.
+median after --warmup steps is reported, and the host variants' weights must come out bit for
+bit the same; the device update's (CUDA's build of the same fused AdamW) may differ in the last bit
+of a few weights.
 
     python bench/offload_copy_back.py                     # 0.78B parameters: one EP=4 rank of
                                                           # qwen3-30b-a3b x 4 layers
     python bench/offload_copy_back.py --params 1.55e9 --tensors 528  # one EP=2 rank's tensors
     python bench/offload_copy_back.py --params 1e8 --steps 4 --warmup 1
+    for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i python bench/offload_copy_back.py --threads 16 \
+        --variants "pinned + buckets" "device update" & done; wait   # four ranks' host at once
 
-Measured on H200s, the same weights in every variant:
+Measured on H200s:
 - one GPU, 16 host threads, 0.78B parameters, before the buckets: megatron 0.736 s a step, pinned
   copy-back 0.251 s;
 - ``--params 1.55e9 --tensors 528 --threads 16`` in two processes at once, one per GPU of a 2-GPU
-  host: megatron 1.509 / 1.492 s, pinned copy-back 0.533 / 0.656 s, pinned + buckets 0.432 / 0.429 s.
+  host: megatron 1.509 / 1.492 s, pinned copy-back 0.533 / 0.656 s, pinned + buckets 0.432 / 0.429 s;
+- ``--threads 16 --variants "pinned + buckets" "device update"`` in four processes at once, one per
+  GPU of a 4-GPU host (0.78B parameters each): pinned + buckets 0.347 / 0.351 / 0.226 / 0.401 s,
+  device update 0.248 / 0.249 / 0.190 / 0.261 s, 99.9996% of the weights equal in each.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -40,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     p.add_argument("--threads", type=int, default=None, help="host threads for the update (default: all cores)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="the first one is the reference the others are compared with")  # fmt: skip
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
@@ -50,13 +61,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# name: (the manifest applied, elements per host optimizer; 0: one per tensor, as megatron builds them)
-VARIANTS = {"megatron": (False, 0), "pinned copy-back": (True, 0), "pinned + buckets": (True, None)}
+# name: (the manifest applied, elements per host optimizer; 0: one per tensor, as megatron builds
+# them; the offloaded share updated on the device)
+VARIANTS = {"megatron": (False, 0, False), "pinned copy-back": (True, 0, False), "pinned + buckets": (True, None, False),
+            "device update": (True, None, True)}  # fmt: skip
 
 
-def run(args: argparse.Namespace, patched: bool, bucket: int | None) -> tuple[list[float], list[torch.Tensor]]:
+def run(args: argparse.Namespace, patched: bool, bucket: int | None,
+        on_device: bool) -> tuple[list[float], list[torch.Tensor]]:  # fmt: skip
     """Step times (s) and the final bf16 weights of one variant."""
-    from loong_xpu import offload_buckets
+    from loong_xpu import get_accelerator, offload_buckets, redirect_cuda
+    from loong_xpu.offload_device_update import update_on_device
     from loong_xpu.testing import hybrid_device_optimizer
 
     numel = int(args.params) // args.tensors
@@ -69,14 +84,17 @@ def run(args: argparse.Namespace, patched: bool, bucket: int | None) -> tuple[li
     finally:
         offload_buckets.BUCKET = default
     times = []
-    for _ in range(args.steps):
-        for p in params:
-            p.decoupled_grad = torch.randn(numel, generator=g, device="cuda")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        opt.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    with redirect_cuda(get_accelerator("cuda")) if on_device else contextlib.nullcontext():  # the step patch
+        if on_device:
+            update_on_device(opt)
+        for _ in range(args.steps):
+            for p in params:
+                p.decoupled_grad = torch.randn(numel, generator=g, device="cuda")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
     weights = [p.detach().clone() for p in params]
     del opt, params
     gc.collect()
@@ -93,16 +111,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.params / 1e9:.2f}B parameters in {args.tensors} tensors, offload fraction {args.offload_fraction}, "
           f"{torch.get_num_threads()} host threads, {torch.cuda.get_device_name()}", flush=True)  # fmt: skip
     results = {}
-    for name, (patched, bucket) in VARIANTS.items():
-        times, weights = run(args, patched, bucket)
+    for name in args.variants:
+        times, weights = run(args, *VARIANTS[name])
         results[name] = (statistics.median(times[args.warmup :]), weights)
         print(f"{name:20s} median step {results[name][0]:.3f} s  (steps {', '.join(f'{t:.3f}' for t in times)})", flush=True)
-    base, theirs = results["megatron"]
-    same = all(torch.equal(a, b) for _, ours in results.values() for a, b in zip(theirs, ours, strict=True))
-    print(f"same weights after {args.steps} steps in every variant: {same}")
-    for name, (step_s, _) in list(results.items())[1:]:
-        print(f"{name}: {base / step_s:.3f}x the speed of megatron's step ({base - step_s:.3f} s a step saved)")
-    return 0 if same else 1
+    reference = args.variants[0]
+    base, theirs = results[reference]
+    ok = True
+    for name, (step_s, ours) in list(results.items())[1:]:
+        equal = sum(int((a == b).sum()) for a, b in zip(theirs, ours, strict=True)) / sum(a.numel() for a in theirs)
+        # the host variants run one kernel: bit for bit; CUDA's build of it may round a few weights apart
+        good = equal == 1.0 if VARIANTS[name][2] == VARIANTS[reference][2] else equal > 0.999
+        ok &= good
+        print(f"{name}: {base / step_s:.3f}x the speed of {reference}'s step ({base - step_s:.3f} s a step saved); "
+              f"weights equal to {reference}'s after {args.steps} steps: {equal:.6f} ({'ok' if good else 'NOT OK'})")  # fmt: skip
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -33,7 +33,11 @@ def test_optimizer_offload_is_compared_against_a_precision_aware_baseline(tmp_pa
     base = bench.train_command(args, "baseline", tmp_path / "b")
     offload = bench.train_command(args, "offload-optimizer", tmp_path / "o")
     assert "optim.precision_aware=true" in base and "optim.precision_aware=true" in offload
-    assert set(offload) - set(base) == {"optim.offload_fraction=0.5", f"train.output_dir={tmp_path / 'o'}"}
+    assert set(offload) - set(base) == {"optim.offload_fraction=0.5", "optim.offload_update=host",
+                                        f"train.output_dir={tmp_path / 'o'}"}  # fmt: skip
+    device = bench.train_command(args, "offload-optimizer-device@1", tmp_path / "d")
+    assert set(device) - set(base) == {"optim.offload_fraction=1.0", "optim.offload_update=device",
+                                       f"train.output_dir={tmp_path / 'd'}"}  # fmt: skip
 
 
 def test_one_run_compares_several_optimizer_offload_shares(tmp_path):

@@ -15,12 +15,15 @@ bench = load_script(Path(__file__).parents[1] / "bench" / "offload_copy_back.py"
 def test_defaults_are_one_ep4_rank_of_the_moe_bench_shape():
     args = bench.parse_args([])
     assert (args.params, args.offload_fraction, args.steps, args.warmup) == (0.78e9, 1.0, 6, 2)
+    # megatron's step is the reference; the device update is compared last
+    assert args.variants == ["megatron", "pinned copy-back", "pinned + buckets", "device update"]
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "2", "--warmup", "2"], "--steps 2 must exceed --warmup 2"),
     (["--offload-fraction", "0"], r"--offload-fraction 0.0 must be in \(0, 1\]"),
     (["--params", "10", "--tensors", "64"], "--params 10 must be at least --tensors 64"),
+    (["--variants", "device"], "invalid choice: 'device'"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused_naming_the_option(capsys, argv, message):
     with pytest.raises(SystemExit):

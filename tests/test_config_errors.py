@@ -49,6 +49,7 @@ def test_bad_values_name_the_key(override, message):
     [
         ("train.dtype=fp8", "train.dtype", "auto, bf16, fp16, fp32"),
         ("optim.schedule=step", "optim.schedule", "cosine, linear, constant"),
+        ("optim.offload_update=cpu", "optim.offload_update", "host, device"),
         ("data.kind=audio", "data.kind", "text, chat, multimodal, lerobot, diffusion"),
         ("parallel.moe_token_dispatcher=flex", "parallel.moe_token_dispatcher", "alltoall, allgather"),
         ("model.foundation.family=gpt2", "model.foundation.family", ", ".join(FAMILIES)),

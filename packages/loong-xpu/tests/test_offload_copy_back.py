@@ -8,7 +8,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDevice
 
 from loong_xpu import apply_patches, get_accelerator
 from loong_xpu.offload_copy_back import TARGET, PinnedCopyBack
-from loong_xpu.testing import hybrid_device_optimizer
+from loong_xpu.testing import train_hybrid_device_optimizer
 
 
 def test_the_manifest_wraps_megatrons_hook_registration_and_takes_it_away_again():
@@ -22,27 +22,12 @@ def test_the_manifest_wraps_megatrons_hook_registration_and_takes_it_away_again(
     assert HybridDeviceOptimizer._register_param_copy_back_gpu_hook is original
 
 
-def _train(patched: bool, offload_fraction: float, steps: int = 3):
-    """bf16 device weights updated by megatron's HybridDeviceOptimizer as megatron builds it
-    (fp32 update, copies overlapped); the same gradients every run."""
-    g = torch.Generator().manual_seed(0)
-    shapes = [(4096,), (1 << 20,), (3, 5), (777,)]
-    params = [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", torch.bfloat16)) for s in shapes]
-    opt = hybrid_device_optimizer(params, offload_fraction, patched=patched, lr=1e-2)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g).to("cuda", torch.bfloat16)
-        opt.step()
-    torch.cuda.synchronize()
-    return [p.detach().clone() for p in params], opt
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("offload_fraction", [1.0, 0.5])
 def test_pinned_copies_give_megatrons_weights(offload_fraction):
-    theirs, their_opt = _train(patched=False, offload_fraction=offload_fraction)
-    ours, opt = _train(patched=True, offload_fraction=offload_fraction)
+    theirs, their_opt = train_hybrid_device_optimizer(offload_fraction, patched=False)
+    ours, opt = train_hybrid_device_optimizer(offload_fraction, patched=True)
     for a, b in zip(theirs, ours, strict=True):
         assert torch.equal(a, b)
     # megatron: one host AdamW per offloaded tensor; with loong_xpu.offload_buckets they share one

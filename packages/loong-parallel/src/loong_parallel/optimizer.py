@@ -12,6 +12,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from loong_parallel.config import ParallelConfig
 from loong_parallel.log import logger
+from loong_xpu.offload_device_update import update_on_device
 
 
 class LRSchedule(StrEnum):
@@ -20,6 +21,13 @@ class LRSchedule(StrEnum):
     cosine = "cosine"
     linear = "linear"
     constant = "constant"
+
+
+class OffloadUpdate(StrEnum):
+    """Where the offloaded share of the optimizer is updated (optim.offload_update)."""
+
+    host = "host"  # megatron's: torch's fused CPU AdamW on the host state
+    device = "device"  # the host state streamed through the GPU and updated there (loong_xpu.offload_device_update)
 
 
 class StateDtype(StrEnum):
@@ -49,16 +57,21 @@ class OptimConfig:
     # the master weights and gradients stay fp32
     state_dtype: StateDtype = StateDtype.fp32
     # The share of the optimizer's parameters (in elements, in parameter order) whose fp32 master
-    # weights and Adam moments live in pinned host memory and are updated there by torch's fused
-    # CPU AdamW (megatron's HybridDeviceOptimizer; needs precision_aware): the GPU keeps the bf16
-    # weights and the gradient buffer. Gradients go to the host and weights come back on side
-    # streams, one parameter at a time, overlapped with the host update. Costs host time once per
-    # step, so it pays with many micro-batches per step (bench/moe_throughput.py).
+    # weights and Adam moments live in pinned host memory (megatron's HybridDeviceOptimizer; needs
+    # precision_aware): the GPU keeps the bf16 weights and the gradient buffer. The update costs
+    # time once per step, so it pays with many micro-batches per step (bench/moe_throughput.py).
     offload_fraction: float = 0.0
-    # Host threads of that update (with offload_fraction > 0). null: OMP_NUM_THREADS where it is
+    # Host threads of the host update (offload_update=host). null: OMP_NUM_THREADS where it is
     # set to more than 1, else this process's share of the CPUs it may run on (torchrun sets
     # OMP_NUM_THREADS=1 in every process, which leaves a memory-bound update on one core).
     host_threads: int | None = None
+    # Where that share is updated. device: the host state is streamed through the GPU in chunks
+    # each step and updated there by the CUDA build of torch's fused AdamW (copies on side streams;
+    # the host moves 24 bytes a parameter by DMA and computes nothing; loong_xpu.offload_device_update).
+    # host: megatron's, torch's fused CPU AdamW reading and writing the host state (28 bytes a
+    # parameter, bound by the host's memory bandwidth), gradients to the host and weights back on
+    # side streams. The same peak GPU memory, the same losses up to rounding.
+    offload_update: OffloadUpdate = OffloadUpdate.device
 
     def validate(self) -> None:
         if not 0 <= self.min_lr <= self.lr:
@@ -77,7 +90,7 @@ class OptimConfig:
             raise ValueError(f"optim.host_threads={self.host_threads} must be >= 1 or null (automatic)")
         if self.offload_fraction > 0 and self.state_dtype != StateDtype.fp32:
             raise ValueError(f"optim.offload_fraction={self.offload_fraction} needs optim.state_dtype=fp32 "
-                             f"(not {self.state_dtype}): the offloaded update is torch's CPU AdamW, fp32 moments")  # fmt: skip
+                             f"(not {self.state_dtype}): the offloaded update is torch's fused AdamW, fp32 moments")  # fmt: skip
 
     def precision_aware_errors(self, distributed_optimizer: bool, device_type: str) -> list[str]:
         """Why ``precision_aware`` cannot run with this layout / device (empty: it can, or it is off)."""
@@ -190,6 +203,10 @@ def build_optimizer(
         raise ValueError(error)
     _set_host_threads(ocfg)
     optimizer = get_megatron_optimizer(optimizer_config_for(ocfg, pcfg, dtype), chunks)
+    if ocfg.offload_fraction > 0 and ocfg.offload_update == OffloadUpdate.device:
+        marked = update_on_device(optimizer)
+        logger.info("optimizer offload: %d host-offloaded optimizer(s) updated on the device "
+                    "(optim.offload_update=device)", marked)  # fmt: skip
     scheduler = OptimizerParamScheduler(
         optimizer,
         **schedule_steps(ocfg.lr, ocfg.warmup_steps, total_steps),

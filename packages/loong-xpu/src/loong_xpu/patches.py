@@ -426,6 +426,17 @@ MANIFEST: tuple[Patch, ...] = (
         on_cuda=True,
         wraps=True,
     ),
+    Patch(
+        "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer.step",
+        "megatron updates the offloaded share with torch's CPU AdamW, which reads and writes 28 bytes a parameter in "
+        "host memory: on a 4-GPU host the four processes' updates are bound by its bandwidth while the GPUs wait. "
+        "loong_xpu.offload_device_update streams the pinned state through the GPU in chunks (copies on side streams) "
+        "and updates it there with the CUDA build of the same fused AdamW, for optimizers marked by "
+        "update_on_device (optim.offload_update=device); any other steps as megatron's",
+        _made_by("offload_device_update", "make_step"),
+        on_cuda=True,
+        wraps=True,
+    ),
 )
 """Attribute patches. The device-argument rewrite (:class:`_DeviceRedirectMode`) is the one
 patch that is not an attribute: it is a TorchFunctionMode, entered by :func:`redirect_cuda`
