@@ -15,6 +15,7 @@ from loong_xpu.offload_device_update import (
     StagedAdamW,
     adam_state,
     batches,
+    offloaded_pieces,
     update_on_device,
 )
 from loong_xpu.patches import is_applied
@@ -67,6 +68,28 @@ def test_pieces_pack_into_runs_that_fit_a_chunk():
     runs = batches([piece(n) for n in (600, 300, 200, 1000, 50)], limit=1000)
     assert [[p.master.numel() for p in run] for run in runs] == [[600, 300], [200], [1000], [50]]
     assert batches([], limit=1000) == []
+
+
+def test_the_offloaded_share_is_read_as_megatrons_host_optimizers_hold_it():
+    # megatron's HybridDeviceOptimizer needs CUDA to be built; its two maps that the device update
+    # reads are set up here as it sets them: host masters in host AdamWs, each mapped to its weight
+    masters = [torch.zeros(6), torch.zeros(4), torch.zeros(3)]
+    weights = [torch.nn.Parameter(torch.zeros(m.shape, dtype=torch.bfloat16)) for m in masters]
+    weights[0].decoupled_grad = torch.ones(6)  # megatron's precision-aware gradient
+    weights[1].grad = torch.ones(4, dtype=torch.bfloat16)  # or the plain one; the third has none
+    optimizers = [torch.optim.AdamW(masters[:2], lr=0.5, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.01),
+                  torch.optim.AdamW(masters[2:], lr=0.5)]  # fmt: skip
+    hdo = type("HDO", (), {"cpu_optimizers": optimizers, "cpu_copys_map_gpu_param": dict(zip(masters, weights))})()
+    for step in (1.0, 2.0):
+        pieces = offloaded_pieces(hdo)
+        assert [p.master for p in pieces] == masters[:2] and [p.step for p in pieces] == [step, step]
+        assert pieces[0].grad is weights[0].decoupled_grad and pieces[1].grad is weights[1].grad
+        assert pieces[0].hyper == (0.5, 0.8, 0.9, 0.01, 1e-6)
+        assert pieces[0].exp_avg is optimizers[0].state[masters[0]]["exp_avg"]
+    assert masters[2] not in optimizers[1].state  # no gradient: left alone, as torch's AdamW leaves it
+    optimizers[1].param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad or maximize set, which the device update does not run"):
+        offloaded_pieces(hdo)
 
 
 def test_the_manifest_wraps_megatrons_step_and_marking_needs_it():
