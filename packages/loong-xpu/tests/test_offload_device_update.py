@@ -9,12 +9,12 @@ import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 from loong_xpu import get_accelerator, redirect_cuda
+from loong_xpu.offload_buckets import buckets
 from loong_xpu.offload_device_update import (
     TARGET,
     Piece,
     StagedAdamW,
     adam_state,
-    batches,
     offloaded_pieces,
     update_on_device,
 )
@@ -65,9 +65,9 @@ def test_pieces_pack_into_runs_that_fit_a_chunk():
         t = torch.zeros(n)
         return Piece(t, t, t, t, t, 1.0, (0.0, 0.0, 0.0, 0.0, 0.0))
 
-    runs = batches([piece(n) for n in (600, 300, 200, 1000, 50)], limit=1000)
+    runs = buckets([piece(n) for n in (600, 300, 200, 1000, 50)], limit=1000)
     assert [[p.master.numel() for p in run] for run in runs] == [[600, 300], [200], [1000], [50]]
-    assert batches([], limit=1000) == []
+    assert buckets([], limit=1000) == []
 
 
 def test_the_offloaded_share_is_read_as_megatrons_host_optimizers_hold_it():

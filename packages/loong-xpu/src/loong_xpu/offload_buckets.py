@@ -16,7 +16,7 @@ list independently), so the weights are the same; the copies still overlap the u
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,9 +24,16 @@ TARGET = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOp
 BUCKET = 1 << 25  # elements per host optimizer (128 MiB of fp32)
 
 
-def buckets(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """``params`` in order, cut into runs of at most ``limit`` elements (a larger tensor alone)."""
-    runs: list[list[torch.Tensor]] = []
+class HasNumel(Protocol):
+    """A tensor, or anything else that says how many elements it holds."""
+
+    def numel(self) -> int: ...
+
+
+def buckets[T: HasNumel](params: list[T], limit: int) -> list[list[T]]:
+    """``params`` (tensors, or anything with ``numel()``) in order, cut into runs of at most
+    ``limit`` elements (a larger one alone)."""
+    runs: list[list[T]] = []
     size = 0
     for p in params:
         if not runs or size + p.numel() > limit:

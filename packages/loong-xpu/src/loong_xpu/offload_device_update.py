@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from loong_xpu.offload_buckets import buckets
+
 TARGET = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer.step"
 MARK = "loong_update_on_device"  # the attribute update_on_device sets on a HybridDeviceOptimizer
 CHUNK = 1 << 24  # elements staged at once (64 MiB of fp32 for each of master, exp_avg, exp_avg_sq)
@@ -46,6 +48,9 @@ class Piece:
     weight: torch.Tensor  # device (bf16 in megatron's precision-aware optimizer)
     step: float  # Adam's step count for this update (already incremented)
     hyper: tuple[float, float, float, float, float]  # lr, beta1, beta2, weight_decay, eps
+
+    def numel(self) -> int:
+        return self.master.numel()
 
 
 def adam_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -78,19 +83,6 @@ def split(piece: Piece, limit: int) -> Iterator[Piece]:
         yield Piece(*views, step=piece.step, hyper=piece.hyper)
 
 
-def batches(pieces: list[Piece], limit: int) -> list[list[Piece]]:
-    """``pieces`` (each at most ``limit`` elements) in order, packed into runs of at most ``limit``."""
-    runs: list[list[Piece]] = []
-    size = limit
-    for piece in pieces:
-        if size + piece.master.numel() > limit:
-            runs.append([])
-            size = 0
-        runs[-1].append(piece)
-        size += piece.master.numel()
-    return runs
-
-
 class StagedAdamW:
     """Updates :class:`Piece` s through ``SLOTS`` staging buffers of ``chunk`` elements on ``device``:
     host state in, torch's fused AdamW and the weight cast on the device, host state out. On CUDA
@@ -101,7 +93,7 @@ class StagedAdamW:
         self.device, self.streams, self.chunk = device, streams, chunk or CHUNK  # CHUNK read now: tests lower it
 
     def update(self, pieces: list[Piece]) -> None:
-        runs = batches([p for piece in pieces for p in split(piece, self.chunk)], self.chunk)
+        runs = buckets([p for piece in pieces for p in split(piece, self.chunk)], self.chunk)
         if not runs:
             return
         slots = [torch.empty((3, self.chunk), dtype=torch.float32, device=self.device)
