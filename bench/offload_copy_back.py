@@ -3,14 +3,15 @@ optim.offload_fraction) as megatron builds it, against loong_xpu's manifest patc
 copy of the updated weights back to the GPU (loong_xpu.offload_copy_back), first with megatron's
 one host AdamW per tensor, then with one per bucket of tensors (loong_xpu.offload_buckets), then
 with the host state streamed through the GPU and updated there (loong_xpu.offload_device_update,
-optim.offload_update=device), on one GPU.
+optim.offload_update=device), then the same with the moments kept in bf16 (optim.state_dtype=bf16),
+on one GPU.
 
 All variants build the optimizer the way megatron's precision-aware distributed optimizer does
 (bf16 weights, fp32 gradients in ``decoupled_grad``, fp32 update, copies on side streams, fused
 AdamW on the host) over the same weights and gradients; each step is timed to the GPU's end, the
 median after --warmup steps is reported, and the host variants' weights must come out bit for
 bit the same; the device update's (CUDA's build of the same fused AdamW) may differ in the last bit
-of a few weights.
+of a few weights (>= 99.9% equal), with bf16 moments in a few more (>= 99%).
 
     python bench/offload_copy_back.py                     # 0.78B parameters: one EP=4 rank of
                                                           # qwen3-30b-a3b x 4 layers
@@ -26,7 +27,10 @@ Measured on H200s:
   host: megatron 1.509 / 1.492 s, pinned copy-back 0.533 / 0.656 s, pinned + buckets 0.432 / 0.429 s;
 - ``--threads 16 --variants "pinned + buckets" "device update"`` in four processes at once, one per
   GPU of a 4-GPU host (0.78B parameters each): pinned + buckets 0.347 / 0.351 / 0.226 / 0.401 s,
-  device update 0.248 / 0.249 / 0.190 / 0.261 s, 99.9996% of the weights equal in each.
+  device update 0.248 / 0.249 / 0.190 / 0.261 s, 99.9996% of the weights equal in each;
+- ``--params 3.1e9 --tensors 1040 --variants "device update" "device update, bf16 moments" --steps 5
+  --warmup 2`` on one H200 (one EP=1 rank): 0.810 s, bf16 moments 0.552 s (1.466x), 99.97% of the
+  weights equal after 5 steps.
 """
 
 from __future__ import annotations
@@ -62,13 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # name: (the manifest applied, elements per host optimizer; 0: one per tensor, as megatron builds
-# them; the offloaded share updated on the device)
-VARIANTS = {"megatron": (False, 0, False), "pinned copy-back": (True, 0, False), "pinned + buckets": (True, None, False),
-            "device update": (True, None, True)}  # fmt: skip
+# them; the offloaded share updated on the device with its moments in this dtype, None: on the host)
+VARIANTS = {"megatron": (False, 0, None), "pinned copy-back": (True, 0, None), "pinned + buckets": (True, None, None),
+            "device update": (True, None, torch.float32), "device update, bf16 moments": (True, None, torch.bfloat16)}  # fmt: skip
 
 
 def run(args: argparse.Namespace, patched: bool, bucket: int | None,
-        on_device: bool) -> tuple[list[float], list[torch.Tensor]]:  # fmt: skip
+        moments: torch.dtype | None) -> tuple[list[float], list[torch.Tensor]]:  # fmt: skip
     """Step times (s) and the final bf16 weights of one variant."""
     from loong_xpu import get_accelerator, offload_buckets, redirect_cuda
     from loong_xpu.offload_device_update import update_on_device
@@ -84,9 +88,9 @@ def run(args: argparse.Namespace, patched: bool, bucket: int | None,
     finally:
         offload_buckets.BUCKET = default
     times = []
-    with redirect_cuda(get_accelerator("cuda")) if on_device else contextlib.nullcontext():  # the step patch
-        if on_device:
-            update_on_device(opt)
+    with redirect_cuda(get_accelerator("cuda")) if moments else contextlib.nullcontext():  # the step patch
+        if moments:
+            update_on_device(opt, moments)
         for _ in range(args.steps):
             for p in params:
                 p.decoupled_grad = torch.randn(numel, generator=g, device="cuda")
@@ -120,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for name, (step_s, ours) in list(results.items())[1:]:
         equal = sum(int((a == b).sum()) for a, b in zip(theirs, ours, strict=True)) / sum(a.numel() for a in theirs)
-        # the host variants run one kernel: bit for bit; CUDA's build of it may round a few weights apart
-        good = equal == 1.0 if VARIANTS[name][2] == VARIANTS[reference][2] else equal > 0.999
+        # the same update in the same place: bit for bit; CUDA's build of the host's kernel may round
+        # a few weights apart; moments rounded to bf16 each step a few more
+        mine, ref = VARIANTS[name][2], VARIANTS[reference][2]
+        good = equal == 1.0 if mine == ref else equal > 0.99 if torch.bfloat16 in (mine, ref) else equal > 0.999
         ok &= good
         print(f"{name}: {base / step_s:.3f}x the speed of {reference}'s step ({base - step_s:.3f} s a step saved); "
               f"weights equal to {reference}'s after {args.steps} steps: {equal:.6f} ({'ok' if good else 'NOT OK'})")  # fmt: skip

@@ -15,8 +15,9 @@ bench = load_script(Path(__file__).parents[1] / "bench" / "offload_copy_back.py"
 def test_defaults_are_one_ep4_rank_of_the_moe_bench_shape():
     args = bench.parse_args([])
     assert (args.params, args.offload_fraction, args.steps, args.warmup) == (0.78e9, 1.0, 6, 2)
-    # megatron's step is the reference; the device update is compared last
-    assert args.variants == ["megatron", "pinned copy-back", "pinned + buckets", "device update"]
+    # megatron's step is the reference; the device updates are compared last
+    assert args.variants == ["megatron", "pinned copy-back", "pinned + buckets", "device update",
+                             "device update, bf16 moments"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -2,7 +2,8 @@
 GPU: half and all of the Adam state offloaded, updated on the host (megatron's) or streamed through
 the GPU (optim.offload_update=device), give the losses and gradient norms of the all-GPU
 precision-aware optimizer from the same weights, and a run resumes from a checkpoint written with
-the state on the host onto the same losses."""
+the state on the host onto the same losses. With bf16 moments (optim.state_dtype=bf16, device
+update only) the same against the all-GPU optimizer keeping bf16 moments."""
 
 import shutil
 
@@ -48,12 +49,36 @@ def test_optimizer_state_on_the_host_keeps_the_losses_and_resumes(tmp_path, data
 
     # resume the half-offloaded runs from their step-3 checkpoints (the step-6 ones removed)
     for update in ("host", "device"):
-        half = runs[0.5, update]
-        uninterrupted = half.losses()  # read now: the resumed run rewrites the same metrics file
-        shutil.rmtree(half.out_dir / "checkpoints" / f"step_{STEPS:08d}")
-        overrides = [*common, "optim.offload_fraction=0.5", f"optim.offload_update={update}", "resume=true"]
-        resumed = run_train(overrides, name=f"offload0.5{update}", device="cuda")
-        losses = resumed.check().losses()
-        assert "(step 3)" in resumed.stderr
-        for step in range(4, STEPS + 1):
-            assert losses[step] == pytest.approx(uninterrupted[step], abs=1e-3), (update, step, losses, uninterrupted)
+        _resumes_onto_the_same_losses(run_train, runs[0.5, update], [*common, f"optim.offload_update={update}"])
+
+
+def _resumes_onto_the_same_losses(run_train, half, overrides: list[str]) -> None:
+    """``half`` (offload_fraction 0.5 with ``overrides``) resumed from its step-3 checkpoint (the
+    step-6 one removed) gives its own losses."""
+    uninterrupted = half.losses()  # read now: the resumed run rewrites the same metrics file
+    shutil.rmtree(half.out_dir / "checkpoints" / f"step_{STEPS:08d}")
+    resumed = run_train([*overrides, "optim.offload_fraction=0.5", "resume=true"], name=half.out_dir.name, device="cuda")
+    losses = resumed.check().losses()
+    assert "(step 3)" in resumed.stderr
+    for step in range(4, STEPS + 1):
+        assert losses[step] == pytest.approx(uninterrupted[step], abs=1e-3), (overrides, step, losses, uninterrupted)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_moments_on_the_host_keep_the_losses_of_bf16_moments_on_the_gpu_and_resume(tmp_path, data_cache):
+    run_train = make_runner(tmp_path, data_cache, defaults=TINY)
+    init = run_train(["train.steps=0"], name="init").check()
+    common = [*COMMON, f"train.init_from={init.out_dir / 'checkpoints' / 'step_00000000'}", "optim.state_dtype=bf16"]
+    plain = run_train(common, name="plain", device="cuda").check()  # TE's FusedAdam keeps bf16 moments
+    runs = {}
+    for fraction in (0.5, 1.0):
+        overrides = [*common, f"optim.offload_fraction={fraction}", "optim.offload_update=device"]
+        run = runs[fraction] = run_train(overrides, name=f"offload{fraction}", device="cuda").check()
+        assert "moments in bf16" in run.stderr
+        for step, loss in plain.losses().items():
+            assert run.losses()[step] == pytest.approx(loss, abs=2e-2), (fraction, step)
+        for a, b in zip(_grad_norms(plain), _grad_norms(run), strict=True):
+            assert b == pytest.approx(a, rel=5e-2), (fraction, _grad_norms(run), _grad_norms(plain))
+    # megatron's checkpoint keeps fp32 moments; they load back as the device update's bf16 ones
+    _resumes_onto_the_same_losses(run_train, runs[0.5], [*common, "optim.offload_update=device"])

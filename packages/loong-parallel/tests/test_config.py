@@ -42,8 +42,8 @@ def test_valid_layout_passes():
         (OptimConfig(state_dtype="bf16"), r"optim.state_dtype=bf16 needs optim.precision_aware=true"),
         (OptimConfig(offload_fraction=1.5, precision_aware=True), r"optim.offload_fraction=1.5 must be in \[0, 1\]"),
         (OptimConfig(offload_fraction=0.5), r"optim.offload_fraction=0.5 needs optim.precision_aware=true"),
-        (OptimConfig(offload_fraction=0.5, precision_aware=True, state_dtype="bf16"),
-         r"optim.offload_fraction=0.5 needs optim.state_dtype=fp32 \(not bf16\)"),
+        (OptimConfig(offload_fraction=0.5, precision_aware=True, state_dtype="bf16", offload_update="host"),
+         r"optim.offload_fraction=0.5 with optim.state_dtype=bf16 needs optim.offload_update=device"),
         (OptimConfig(host_threads=0), r"optim.host_threads=0 must be >= 1 or null \(automatic\)"),
     ],
 )
@@ -150,6 +150,24 @@ def test_optimizer_offload_becomes_megatrons_host_offload_with_overlapped_copies
     assert config.decoupled_weight_decay  # megatron's host offload runs AdamW only
     plain = optimizer_config_for(OptimConfig(), pcfg, torch.bfloat16)
     assert not plain.optimizer_cpu_offload
+
+
+def test_bf16_moments_of_an_offloaded_state_are_kept_by_the_device_update_not_megatron():
+    import torch
+
+    from loong_parallel.optimizer import _precision_aware_fields, optimizer_config_for
+
+    pcfg = ParallelConfig(distributed_optimizer=True)
+    ocfg = OptimConfig(precision_aware=True, offload_fraction=1.0, state_dtype="bf16")  # offload_update=device
+    ocfg.validate()
+    # megatron's hybrid optimizer and its checkpoint buffers keep fp32; the offloaded share's host
+    # moments are bf16 by loong_xpu.offload_device_update (build_optimizer marks it so)
+    config = optimizer_config_for(ocfg, pcfg, torch.bfloat16)
+    assert config.exp_avg_dtype == config.exp_avg_sq_dtype == torch.float32
+    # all on the GPU: megatron's own (TE's FusedAdam) moments in bf16 (megatron's config checks
+    # for TE, which this machine may lack: the fields it is built from)
+    on_gpu = _precision_aware_fields(OptimConfig(precision_aware=True, state_dtype="bf16"))
+    assert on_gpu["exp_avg_dtype"] == on_gpu["exp_avg_sq_dtype"] == torch.bfloat16
 
 
 OFFLOAD = dict(precision_aware=True, offload_fraction=1.0)

@@ -60,6 +60,39 @@ def test_staged_chunks_update_exactly_as_torchs_fused_adamw():
     assert set(holder.state[masters[0]]) == set(torch_adamw.state[reference[0]])
 
 
+def test_bf16_moments_travel_narrow_and_update_in_fp32_rounded_back():
+    g = torch.Generator().manual_seed(1)
+    shapes = [(2500,), (7, 11), (1,)]
+    masters = [torch.randn(s, generator=g) for s in shapes]
+    expected = [m.clone() for m in masters]
+    holder = torch.optim.AdamW(masters, **HYPER)
+    moments = [[torch.zeros(s, dtype=torch.bfloat16) for s in shapes] for _ in range(2)]
+    weights = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
+    staged = StagedAdamW(torch.device("cpu"), chunk=1000)
+    for step in (1.0, 2.0, 3.0):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        # what TE's FusedAdam does with bf16 moments: widened, updated in fp32, rounded to nearest
+        wide = [[m.float() for m in ms] for ms in moments]
+        torch._fused_adamw_(expected, grads, wide[0], wide[1], [], [torch.tensor(step)] * len(shapes),
+                            lr=HYPER["lr"], beta1=0.9, beta2=0.95, weight_decay=HYPER["weight_decay"],
+                            eps=HYPER["eps"], amsgrad=False, maximize=False)  # fmt: skip
+        moments = [[m.bfloat16() for m in ms] for ms in wide]
+        staged.update(_pieces(masters, [adam_state(holder, m, torch.bfloat16) for m in masters], grads, weights))
+    for i, master in enumerate(masters):
+        state = holder.state[master]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        assert torch.equal(state["exp_avg"], moments[0][i]) and torch.equal(state["exp_avg_sq"], moments[1][i])
+        assert torch.equal(master, expected[i]) and torch.equal(weights[i], master.bfloat16())
+    # a state written with fp32 moments (the host update, an earlier run) is cast in place as it loads
+    exp_avg = holder.state[masters[0]]["exp_avg"]
+    exp_avg.data = exp_avg.data.float()
+    assert adam_state(holder, masters[0], torch.bfloat16)["exp_avg"] is exp_avg and exp_avg.dtype == torch.bfloat16
+    mixed = _pieces(masters[:2], [adam_state(holder, masters[0], torch.bfloat16),
+                                  adam_state(holder, masters[1], torch.float16)], grads[:2], weights[:2])  # fmt: skip
+    with pytest.raises(ValueError, match=r"moments are in several dtypes \(torch.bfloat16, torch.float16\)"):
+        staged.update(mixed)
+
+
 def test_pieces_pack_into_runs_that_fit_a_chunk():
     def piece(n):
         t = torch.zeros(n)
@@ -135,3 +168,26 @@ def test_the_device_update_gives_the_host_updates_weights_and_state(offload_frac
                                                  state_dict=copy.deepcopy(state_dict))
         for a, b in zip(continued, again, strict=True):
             assert (a == b).float().mean() > 0.999
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_moments_stream_through_the_gpu_and_stay_bf16_on_the_host(monkeypatch):
+    from loong_xpu import offload_device_update
+
+    monkeypatch.setattr(offload_device_update, "CHUNK", 1 << 18)
+    with redirect_cuda(get_accelerator("cuda")):
+        wide, _ = train_hybrid_device_optimizer(1.0, patched=True, on_device=True)
+        narrow, opt = train_hybrid_device_optimizer(1.0, patched=True, on_device=True, moments=torch.bfloat16)
+    # moments rounded to bf16 move each update by ~2^-9 of itself (lr 1e-2 a step here): the masters
+    # drift apart by far less than an update, so weights land one bf16 step apart, or a few where the
+    # weight is small enough for its step to be finer than that drift; moments left unwidened or
+    # unrounded would move them by whole updates
+    for a, b in zip(wide, narrow, strict=True):
+        step = 2.0 ** (torch.floor(torch.log2(a.float().abs().clamp_min(1e-30))) - 7)  # one bf16 step at a
+        far = int(((a.float() - b.float()).abs() > step + 3 * 1e-2 * 2**-6).sum())
+        equal = float((a == b).float().mean())
+        assert far == 0 and equal > 0.95, (far, equal)
+    for state in opt.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].dtype == torch.bfloat16 and state[key].is_pinned() and state[key].abs().sum() > 0

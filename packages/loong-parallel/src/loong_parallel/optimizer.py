@@ -54,7 +54,9 @@ class OptimConfig:
     # master-to-model copy runs after the update
     precision_aware: bool = False
     # Adam's moments: bf16 halves their memory and the update's traffic (needs precision_aware);
-    # the master weights and gradients stay fp32
+    # the master weights and gradients stay fp32. With offload_fraction (offload_update=device) it
+    # is the offloaded share's moments in host memory: a third fewer bytes to stream each step; the
+    # share left on the GPU keeps fp32 moments (megatron's hybrid optimizer takes no moments dtype)
     state_dtype: StateDtype = StateDtype.fp32
     # The share of the optimizer's parameters (in elements, in parameter order) whose fp32 master
     # weights and Adam moments live in pinned host memory (megatron's HybridDeviceOptimizer; needs
@@ -88,9 +90,9 @@ class OptimConfig:
                              "(megatron's host offload runs on the precision-aware optimizer's path)")  # fmt: skip
         if self.host_threads is not None and self.host_threads < 1:
             raise ValueError(f"optim.host_threads={self.host_threads} must be >= 1 or null (automatic)")
-        if self.offload_fraction > 0 and self.state_dtype != StateDtype.fp32:
-            raise ValueError(f"optim.offload_fraction={self.offload_fraction} needs optim.state_dtype=fp32 "
-                             f"(not {self.state_dtype}): the offloaded update is torch's fused AdamW, fp32 moments")  # fmt: skip
+        if self.offload_fraction > 0 and self.state_dtype != StateDtype.fp32 and self.offload_update == OffloadUpdate.host:
+            raise ValueError(f"optim.offload_fraction={self.offload_fraction} with optim.state_dtype={self.state_dtype} "
+                             "needs optim.offload_update=device (the host update is torch's fused CPU AdamW, fp32 moments)")  # fmt: skip
 
     def precision_aware_errors(self, distributed_optimizer: bool, device_type: str) -> list[str]:
         """Why ``precision_aware`` cannot run with this layout / device (empty: it can, or it is off)."""
@@ -153,10 +155,15 @@ def schedule_steps(lr: float, warmup_steps: int, total_steps: int) -> dict:
                 lr_decay_steps=max(total_steps, warmup + 1) - 1)  # fmt: skip
 
 
+_MOMENTS = {StateDtype.fp32: torch.float32, StateDtype.bf16: torch.bfloat16}
+
+
 def _precision_aware_fields(ocfg: OptimConfig) -> dict:
     if not ocfg.precision_aware:
         return {}
-    moments = {StateDtype.fp32: torch.float32, StateDtype.bf16: torch.bfloat16}[ocfg.state_dtype]
+    # with the state offloaded megatron's own moments stay fp32 (its device share, its checkpoint
+    # buffers); the offloaded share's are kept in state_dtype by the device update (build_optimizer)
+    moments = torch.float32 if ocfg.offload_fraction > 0 else _MOMENTS[ocfg.state_dtype]
     fields = dict(use_precision_aware_optimizer=True, main_params_dtype=torch.float32,
                   main_grads_dtype=torch.float32, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)  # fmt: skip
     if ocfg.offload_fraction > 0:
@@ -204,9 +211,9 @@ def build_optimizer(
     _set_host_threads(ocfg)
     optimizer = get_megatron_optimizer(optimizer_config_for(ocfg, pcfg, dtype), chunks)
     if ocfg.offload_fraction > 0 and ocfg.offload_update == OffloadUpdate.device:
-        marked = update_on_device(optimizer)
-        logger.info("optimizer offload: %d host-offloaded optimizer(s) updated on the device "
-                    "(optim.offload_update=device)", marked)  # fmt: skip
+        marked = update_on_device(optimizer, _MOMENTS[ocfg.state_dtype])
+        logger.info("optimizer offload: %d host-offloaded optimizer(s) updated on the device, moments in %s "
+                    "(optim.offload_update=device)", marked, ocfg.state_dtype)  # fmt: skip
     scheduler = OptimizerParamScheduler(
         optimizer,
         **schedule_steps(ocfg.lr, ocfg.warmup_steps, total_steps),
