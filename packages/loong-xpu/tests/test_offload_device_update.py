@@ -132,6 +132,8 @@ def test_the_manifest_wraps_megatrons_step_and_marking_needs_it():
     with redirect_cuda(get_accelerator("cpu")):
         assert is_applied(TARGET) and HybridDeviceOptimizer.step.__wrapped__ is original
         assert update_on_device(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)) == 0
+        with pytest.raises(ValueError, match="moments=torch.float16; expected torch.float32 or torch.bfloat16"):
+            update_on_device(object(), torch.float16)
     assert HybridDeviceOptimizer.step is original
 
 
