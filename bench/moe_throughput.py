@@ -19,6 +19,7 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer
     python bench/moe_throughput.py --levers --precision-aware --variants baseline offload-optimizer@1 offload-optimizer@0.6
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer@1 offload-optimizer-device@1  # host vs device update
+    python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --extra optim.state_dtype=bf16 --variants baseline offload-optimizer-device@1  # bf16 moments on both sides
 
 Each variant also prints the router's load imbalance (busiest expert over the mean) and the EP
 ranks' (busiest rank's routed tokens over the mean rank's): with unequal expert work the
