@@ -170,7 +170,7 @@ def test_bf16_moments_of_an_offloaded_state_are_kept_by_the_device_update_not_me
     assert on_gpu["exp_avg_dtype"] == on_gpu["exp_avg_sq_dtype"] == torch.bfloat16
 
 
-OFFLOAD = dict(precision_aware=True, offload_fraction=1.0)
+OFFLOAD = dict(precision_aware=True, offload_fraction=1.0, offload_update="host")
 HOST = dict(affinity=64, parent_affinity=64, local_world_size=4)  # an unbound process of 4 on 64 CPUs
 
 
@@ -178,6 +178,7 @@ HOST = dict(affinity=64, parent_affinity=64, local_world_size=4)  # an unbound p
     "ocfg, host, omp, threads",
     [
         (OptimConfig(), HOST, None, None),  # nothing offloaded: the thread count is left alone
+        (OptimConfig(**dict(OFFLOAD, offload_update="device")), HOST, "1", None),  # no host update: left alone
         (OptimConfig(**OFFLOAD), HOST, "1", 16),  # torchrun's 1: the process's share of the host
         (OptimConfig(**OFFLOAD), HOST, None, 16),
         (OptimConfig(**OFFLOAD), dict(HOST, local_world_size=1), None, 64),
@@ -204,7 +205,8 @@ def test_a_process_launched_with_one_omp_thread_gets_its_share_for_the_host_upda
     import sys
 
     code = ("import torch; from loong_parallel.optimizer import OptimConfig, _set_host_threads; "
-            "_set_host_threads(OptimConfig(precision_aware=True, offload_fraction=1.0)); print(torch.get_num_threads())")  # fmt: skip
+            "_set_host_threads(OptimConfig(precision_aware=True, offload_fraction=1.0, offload_update='host')); "
+            "print(torch.get_num_threads())")  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[-1]) == len(os.sched_getaffinity(0))  # launched by this (unbound) process

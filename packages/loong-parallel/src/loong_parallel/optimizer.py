@@ -109,12 +109,13 @@ class OptimConfig:
 
 def host_threads_for(ocfg: OptimConfig, *, affinity: int, parent_affinity: int, local_world_size: int,
                      omp_num_threads: str | None) -> int | None:
-    """Threads for the host-side update of ``optim.offload_fraction`` (None: nothing offloaded).
+    """Threads for the host-side update of ``optim.offload_fraction`` (None: nothing updated on the
+    host: nothing offloaded, or the offloaded share updated on the device).
     ``affinity``: CPUs this process may run on; ``parent_affinity``: its launcher's. A process bound
     to fewer CPUs than its launcher (torchrun --numa-binding, taskset) uses all of its own; an
     unbound one its share among the ``local_world_size`` processes of this machine. (The
     launcher, not the machine: a container's CPU set limits both.)"""
-    if ocfg.offload_fraction == 0:
+    if ocfg.offload_fraction == 0 or ocfg.offload_update == OffloadUpdate.device:
         return None
     if ocfg.host_threads is not None:
         return ocfg.host_threads
