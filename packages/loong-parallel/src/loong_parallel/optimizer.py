@@ -75,6 +75,10 @@ class OptimConfig:
     # side streams. The same peak GPU memory, the same losses up to rounding.
     offload_update: OffloadUpdate = OffloadUpdate.device
 
+    def updates_offloaded_share_on(self, where: OffloadUpdate) -> bool:
+        """Whether a share is offloaded (``offload_fraction > 0``) and updated ``where``."""
+        return self.offload_fraction > 0 and self.offload_update == where
+
     def validate(self) -> None:
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
@@ -90,7 +94,7 @@ class OptimConfig:
                              "(megatron's host offload runs on the precision-aware optimizer's path)")  # fmt: skip
         if self.host_threads is not None and self.host_threads < 1:
             raise ValueError(f"optim.host_threads={self.host_threads} must be >= 1 or null (automatic)")
-        if self.offload_fraction > 0 and self.state_dtype != StateDtype.fp32 and self.offload_update == OffloadUpdate.host:
+        if self.state_dtype != StateDtype.fp32 and self.updates_offloaded_share_on(OffloadUpdate.host):
             raise ValueError(f"optim.offload_fraction={self.offload_fraction} with optim.state_dtype={self.state_dtype} "
                              "needs optim.offload_update=device (the host update is torch's fused CPU AdamW, fp32 moments)")  # fmt: skip
 
@@ -115,7 +119,7 @@ def host_threads_for(ocfg: OptimConfig, *, affinity: int, parent_affinity: int, 
     to fewer CPUs than its launcher (torchrun --numa-binding, taskset) uses all of its own; an
     unbound one its share among the ``local_world_size`` processes of this machine. (The
     launcher, not the machine: a container's CPU set limits both.)"""
-    if ocfg.offload_fraction == 0 or ocfg.offload_update == OffloadUpdate.device:
+    if not ocfg.updates_offloaded_share_on(OffloadUpdate.host):
         return None
     if ocfg.host_threads is not None:
         return ocfg.host_threads
@@ -211,7 +215,7 @@ def build_optimizer(
         raise ValueError(error)
     _set_host_threads(ocfg)
     optimizer = get_megatron_optimizer(optimizer_config_for(ocfg, pcfg, dtype), chunks)
-    if ocfg.offload_fraction > 0 and ocfg.offload_update == OffloadUpdate.device:
+    if ocfg.updates_offloaded_share_on(OffloadUpdate.device):
         marked = update_on_device(optimizer, _MOMENTS[ocfg.state_dtype])
         logger.info("optimizer offload: %d host-offloaded optimizer(s) updated on the device, moments in %s "
                     "(optim.offload_update=device)", marked, ocfg.state_dtype)  # fmt: skip

@@ -106,16 +106,16 @@ def train_hybrid_device_optimizer(offload_fraction: float, *, patched: bool, on_
                                   moments: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], Any]:  # fmt: skip
     """Four bf16 CUDA weights (one of 1M elements) updated ``steps`` times by
     :func:`hybrid_device_optimizer`, the same bf16 gradients every run; ``on_device``: marked for
-    loong_xpu.offload_device_update with its moments in ``moments`` (then step inside
-    ``redirect_cuda``, where its patch is in place); ``state_dict``: loaded first. Returns the final weights and the optimizer."""
-    from loong_xpu.offload_device_update import MARK
+    loong_xpu.offload_device_update with its moments in ``moments`` by its ``update_on_device``
+    (then call this inside ``redirect_cuda``, where its patch is in place); ``state_dict``: loaded first. Returns the final weights and the optimizer."""
+    from loong_xpu.offload_device_update import update_on_device
 
     g = torch.Generator().manual_seed(0)
     shapes = [(4096,), (1 << 20,), (3, 5), (777,)]
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", torch.bfloat16)) for s in shapes]
     opt = hybrid_device_optimizer(params, offload_fraction, patched=patched, lr=1e-2)
     if on_device:
-        setattr(opt, MARK, moments)
+        update_on_device(opt, moments)
     if state_dict is not None:
         opt.load_state_dict(state_dict)
     for _ in range(steps):
