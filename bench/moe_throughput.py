@@ -20,6 +20,7 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py --levers --precision-aware --variants baseline offload-optimizer@1 offload-optimizer@0.6
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer@1 offload-optimizer-device@1  # host vs device update
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --extra optim.state_dtype=bf16 --variants baseline offload-optimizer-device@1  # bf16 moments on both sides
+    python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --rounds 2 --variants baseline offload-optimizer-device@1  # A B, then B A
 
 Each variant also prints the router's load imbalance (busiest expert over the mean) and the EP
 ranks' (busiest rank's routed tokens over the mean rank's): with unequal expert work the
@@ -27,7 +28,9 @@ all-to-all makes the other ranks wait, which no overlap can hide.
 
 Each variant prints its losses and gradient norms by step; the bench exits unless the variants'
 step-1 losses agree within 1e-2 (same samples, same initial weights: the data ranks of a torchrun
-job report no batch digests).
+job report no batch digests). The table gives each variant's median step (over all rounds with
+--rounds) and two ratios to the baseline: that of the medians, and the median of the per-step
+ratios (step k of one against step k of the other, which routed the same tokens).
 
 MFU = (6 N + 6 L h s) * tokens/s/GPU / peak (989 TFLOP/s bf16 on H100/H200), N = the parameters
 one token uses (active: attention, router, top-k experts, embeddings), as the train app reports.
@@ -96,6 +99,16 @@ class Result:
     mfu: float
     peak_gib: float
     first_loss: float = float("nan")  # the loss of step 1, before any update
+    step_times: tuple[float, ...] = ()  # the measured steps' times, in step order
+
+
+def paired_ratio(base: Result, r: Result) -> float:
+    """The median over the measured steps of base's step time over r's at the same step. The
+    variants train the same samples from the same weights, so step k routes alike in both: the
+    routing's drift from step to step (which moves the busiest expert's work, and with it the step
+    time, by up to 40% at 64 micro-batches) cancels in each pair, not only in the medians."""
+    pairs = [b / v for b, v in zip(base.step_times, r.step_times, strict=True)]
+    return statistics.median(pairs) if pairs else float("nan")
 
 
 def check_same_samples(results: list[Result], tol: float = 1e-2) -> str:
@@ -151,6 +164,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="megatron's forced load balancing instead of the router's own choice (default: real routing)",
     )
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every variant, in alternating order (A B, B A, A B, ...): neither always runs "
+                   "first, on a cooler GPU; medians over the measured steps of all rounds")  # fmt: skip
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
                    help=f"any of {', '.join(VARIANTS)}; offload-optimizer[-device]@F: with offload share F")  # fmt: skip
     p.add_argument("--device", default="cuda", help="LOONG_DEVICE of the runs (cpu: smoke-test this script)")
@@ -186,6 +202,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ep = args.ep or args.gpus
     if args.gpus % args.ep:
         p.error(f"--ep {args.ep} must divide --gpus {args.gpus}")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds} must be at least 1")
+    if args.rounds > 1 and args.profile_dir:
+        p.error("--profile-dir profiles one run of each variant: use it with --rounds 1")
     if args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     return args
@@ -222,8 +242,24 @@ def train_command(args, variant: str, out: Path) -> list[str]:
             "-m", "loong_train", *overrides]  # fmt: skip
 
 
-def run_variant(args, variant: str, workdir: Path, f) -> Result:
-    out = workdir / variant
+def run_order(variants: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, variant) in the order they run: the variants as given, then reversed, and so on, so
+    that no variant always runs first (step times on a lent GPU drift within minutes)."""
+    return [(k, v) for k in range(rounds) for v in (variants if k % 2 == 0 else variants[::-1])]
+
+
+def pooled(args, f, runs: list[Result]) -> Result:
+    """One variant over all its rounds (in round order): the median of every measured step, the
+    highest peak, the first round's step-1 loss."""
+    times = tuple(t for r in runs for t in r.step_times)
+    step_s = statistics.median(times)
+    tps = args.mbs * args.microbatches * args.seq / step_s
+    return Result(runs[0].variant, step_s, tps, mfu(f, args.seq, tps), max(r.peak_gib for r in runs),
+                  runs[0].first_loss, times)  # fmt: skip
+
+
+def run_variant(args, variant: str, workdir: Path, f, rnd: int = 0) -> Result:
+    out = workdir / (variant if rnd == 0 else f"{variant}-round{rnd + 1}")
     cmd = train_command(args, variant, out)
     print(f"{variant}:", " ".join(cmd[cmd.index("loong_train") + 1 :]), flush=True)
     # torchrun gives each process one host thread unless OMP_NUM_THREADS is set: the host's share
@@ -248,7 +284,8 @@ def run_variant(args, variant: str, workdir: Path, f) -> Result:
     print(f"   step s by step {[round(r['step_time_s'], 3) for r in rows]}", flush=True)  # the median's spread
     print(f"   grad norm by step {[None if r.get('grad_norm') is None else round(r['grad_norm'], 4) for r in rows]}",
           flush=True)  # fmt: skip
-    return Result(variant, step_s, tps, mfu(f, args.seq, tps), peak, rows[0]["loss"])
+    return Result(variant, step_s, tps, mfu(f, args.seq, tps), peak, rows[0]["loss"],
+                  tuple(r["step_time_s"] for r in train))
 
 
 def table(args, f, results: list[Result]) -> str:
@@ -256,24 +293,30 @@ def table(args, f, results: list[Result]) -> str:
         f"{args.model} x {args.layers} layers: {f.num_parameters() / 1e9:.2f}B params, "
         f"{f.num_active_parameters() / 1e9:.2f}B active, {f.moe.num_experts} experts top-{f.moe.router_topk} | "
         f"seq {args.seq}, micro-batch {args.mbs} x {args.microbatches} | {args.gpus} GPUs, EP {args.ep} | "
-        f"median of {args.steps - args.warmup} steps after {args.warmup}",
-        f"{'variant':<22} {'step s':>8} {'tokens/s/GPU':>13} {'MFU':>6} {'peak GiB (rank 0)':>18} {'vs baseline':>12}",
+        f"median of {args.steps - args.warmup} steps after {args.warmup}"
+        + (f", {args.rounds} rounds in alternating order" if args.rounds > 1 else ""),
+        f"{'variant':<22} {'step s':>8} {'tokens/s/GPU':>13} {'MFU':>6} {'peak GiB (rank 0)':>18} {'vs baseline':>12} "
+        f"{'paired':>8}",
     ]
     base = next((r for r in results if r.variant == "baseline"), None)
     for r in results:
         ratio = f"{r.tokens_per_s_per_gpu / base.tokens_per_s_per_gpu:.3f}x" if base else "-"
+        paired = f"{paired_ratio(base, r):.3f}x" if base and r.step_times else "-"
         lines.append(f"{r.variant:<22} {r.step_s:8.3f} {r.tokens_per_s_per_gpu:13,.0f} {r.mfu:6.3f} "
-                     f"{r.peak_gib:18.2f} {ratio:>12}")  # fmt: skip
+                     f"{r.peak_gib:18.2f} {ratio:>12} {paired:>8}")  # fmt: skip
+    lines.append("vs baseline: the medians' ratio; paired: the median over steps of the baseline's step time "
+                 "over the variant's at the same step")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     f = foundation(args)
-    results = []
+    runs: dict[str, list[Result]] = {v: [] for v in args.variants}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in args.variants:
-            results.append(run_variant(args, variant, Path(tmp), f))
+        for rnd, variant in run_order(args.variants, args.rounds):
+            runs[variant].append(run_variant(args, variant, Path(tmp), f, rnd))
+    results = [pooled(args, f, runs[v]) for v in args.variants]
     device = args.device
     if device == "cuda":
         import torch

@@ -131,6 +131,35 @@ def test_table_reports_ratios_against_the_baseline():
     assert "1.250x" in text and "1.000x" in text and "2 GPUs, EP 2" in text
 
 
+def test_the_paired_ratio_compares_each_step_with_the_baselines_same_step():
+    # the baseline's steps drift (slow, fast, slow) and the variant follows them 10% slower: the
+    # medians' ratio sees a different step on each side, the pairs see 10% at every step
+    base = bench.Result("baseline", 7.0, 1.0, 0.1, 20.0, 12.3, (9.0, 6.0, 7.0, 6.5, 9.5))
+    slow = bench.Result("offload-optimizer-device@1", 9.9, 1.0, 0.1, 12.0, 12.3, (9.9, 6.6, 7.7, 7.15, 10.45))
+    assert bench.paired_ratio(base, slow) == pytest.approx(1 / 1.1)
+    text = bench.table(bench.parse_args(["--gpus", "4"]), bench.foundation(bench.parse_args([])), [base, slow])
+    assert "0.909x" in text and "paired" in text
+    with pytest.raises(ValueError):  # runs of different lengths are not paired silently
+        bench.paired_ratio(base, bench.Result("x", 1.0, 1.0, 0.1, 1.0, 12.3, (1.0,)))
+
+
+def test_rounds_alternate_the_order_and_pool_every_measured_step():
+    assert bench.run_order(["baseline", "offload"], 3) == [
+        (0, "baseline"), (0, "offload"), (1, "offload"), (1, "baseline"), (2, "baseline"), (2, "offload")]  # fmt: skip
+    args = bench.parse_args(["--gpus", "4", "--rounds", "2", "--microbatches", "64"])
+    f = bench.foundation(args)
+    first = bench.Result("baseline", 7.0, 0.0, 0.0, 19.5, 12.31, (7.0, 6.0, 8.0))
+    second = bench.Result("baseline", 9.0, 0.0, 0.0, 19.6, 12.40, (9.0, 9.5, 8.5))
+    both = bench.pooled(args, f, [first, second])
+    assert both.step_times == (7.0, 6.0, 8.0, 9.0, 9.5, 8.5) and both.step_s == 8.25
+    assert both.peak_gib == 19.6 and both.first_loss == 12.31
+    assert both.tokens_per_s_per_gpu == pytest.approx(64 * 4096 / 8.25)
+    assert bench.pooled(args, f, [first]).step_s == 7.0  # one round: the run's own median
+    for bad in (["--rounds", "0"], ["--rounds", "2", "--profile-dir", "/tmp/p"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
 def test_variants_whose_first_losses_differ_are_not_the_same_samples():
     rows = [bench.Result("baseline", 1.0, 1000.0, 0.1, 20.0, 12.3143), bench.Result("a2a-overlap", 0.8, 1250.0, 0.125, 21.0, 12.3143)]
     assert "agree within 0.01 (12.3143)" in bench.check_same_samples(rows)
