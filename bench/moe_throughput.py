@@ -202,6 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ep = args.ep or args.gpus
     if args.gpus % args.ep:
         p.error(f"--ep {args.ep} must divide --gpus {args.gpus}")
+    if len(set(args.variants)) < len(args.variants):
+        p.error(f"--variants {' '.join(args.variants)}: each variant once (--rounds repeats them)")
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds} must be at least 1")
     if args.rounds > 1 and args.profile_dir:

@@ -155,7 +155,7 @@ def test_rounds_alternate_the_order_and_pool_every_measured_step():
     assert both.peak_gib == 19.6 and both.first_loss == 12.31
     assert both.tokens_per_s_per_gpu == pytest.approx(64 * 4096 / 8.25)
     assert bench.pooled(args, f, [first]).step_s == 7.0  # one round: the run's own median
-    for bad in (["--rounds", "0"], ["--rounds", "2", "--profile-dir", "/tmp/p"]):
+    for bad in (["--rounds", "0"], ["--rounds", "2", "--profile-dir", "/tmp/p"], ["--variants", "baseline", "baseline"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
