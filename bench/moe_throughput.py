@@ -250,12 +250,17 @@ def run_order(variants: list[str], rounds: int) -> list[tuple[int, str]]:
     return [(k, v) for k in range(rounds) for v in (variants if k % 2 == 0 else variants[::-1])]
 
 
+def tokens_per_s_per_gpu(args, step_s: float) -> float:
+    """Each GPU's tokens a step (its micro-batches; the dense part is data-parallel) over the step."""
+    return args.mbs * args.microbatches * args.seq / step_s
+
+
 def pooled(args, f, runs: list[Result]) -> Result:
     """One variant over all its rounds (in round order): the median of every measured step, the
     highest peak, the first round's step-1 loss."""
     times = tuple(t for r in runs for t in r.step_times)
     step_s = statistics.median(times)
-    tps = args.mbs * args.microbatches * args.seq / step_s
+    tps = tokens_per_s_per_gpu(args, step_s)
     return Result(runs[0].variant, step_s, tps, mfu(f, args.seq, tps), max(r.peak_gib for r in runs),
                   runs[0].first_loss, times)  # fmt: skip
 
@@ -271,7 +276,7 @@ def run_variant(args, variant: str, workdir: Path, f, rnd: int = 0) -> Result:
     rows = run_train_app(cmd, out, label=f"variant {variant}", env=env)
     train = [r for r in rows if args.warmup < r["step"] <= args.steps]
     step_s = statistics.median(r["step_time_s"] for r in train)
-    tps = args.mbs * args.microbatches * args.gpus * args.seq / step_s / args.gpus
+    tps = tokens_per_s_per_gpu(args, step_s)
     imbalance = statistics.mean(r.get("moe_load_imbalance", float("nan")) for r in train)
     ep_imbalance = statistics.mean(r.get("moe_ep_load_imbalance", float("nan")) for r in train)
     first = [round(r.get("moe_load_imbalance", float("nan")), 2) for r in rows[:3]]

@@ -88,8 +88,8 @@ def run(args: argparse.Namespace, patched: bool, bucket: int | None,
     finally:
         offload_buckets.BUCKET = default
     times = []
-    with redirect_cuda(get_accelerator("cuda")) if moments else contextlib.nullcontext():  # the step patch
-        if moments:
+    with redirect_cuda(get_accelerator("cuda")) if moments is not None else contextlib.nullcontext():  # the step patch
+        if moments is not None:
             update_on_device(opt, moments)
         for _ in range(args.steps):
             for p in params:
