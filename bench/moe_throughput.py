@@ -21,6 +21,10 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer@1 offload-optimizer-device@1  # host vs device update
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --extra optim.state_dtype=bf16 --variants baseline offload-optimizer-device@1  # bf16 moments on both sides
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --rounds 2 --variants baseline offload-optimizer-device@1  # A B, then B A
+    # rounds too long for one call of a lent machine: one order per call, each saved, then pooled
+    python bench/moe_throughput.py ... --save-runs a.jsonl --variants baseline offload-optimizer-device@1
+    python bench/moe_throughput.py ... --save-runs b.jsonl --variants offload-optimizer-device@1 baseline
+    python bench/moe_throughput.py --pool a.jsonl b.jsonl
 
 Each variant also prints the router's load imbalance (busiest expert over the mean) and the EP
 ranks' (busiest rank's routed tokens over the mean rank's): with unequal expert work the
@@ -30,7 +34,9 @@ Each variant prints its losses and gradient norms by step; the bench exits unles
 step-1 losses agree within 1e-2 (same samples, same initial weights: the data ranks of a torchrun
 job report no batch digests). The table gives each variant's median step (over all rounds with
 --rounds) and two ratios to the baseline: that of the medians, and the median of the per-step
-ratios (step k of one against step k of the other, which routed the same tokens).
+ratios (step k of one against step k of the other, which routed the same tokens). --pool reads
+runs that several invocations saved (--save-runs), refuses runs of other settings or samples, and
+pools each variant's runs as rounds.
 
 MFU = (6 N + 6 L h s) * tokens/s/GPU / peak (989 TFLOP/s bf16 on H100/H200), N = the parameters
 one token uses (active: attention, router, top-k experts, embeddings), as the train app reports.
@@ -39,10 +45,13 @@ one token uses (active: attention, router, top-k experts, embeddings), as the tr
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +120,7 @@ def paired_ratio(base: Result, r: Result) -> float:
     return statistics.median(pairs) if pairs else float("nan")
 
 
-def check_same_samples(results: list[Result], tol: float = 1e-2) -> str:
+def check_same_samples(results: list[Result], tol: float = 1e-2, what: str = "variants") -> str:
     """The variants train the same samples from the same initial weights, so their step-1 losses
     (before any update) agree up to bf16 rounding of another execution order. Exits naming the
     first variant that differs otherwise (the variants' data ranks report no batch digests)."""
@@ -120,7 +129,7 @@ def check_same_samples(results: list[Result], tol: float = 1e-2) -> str:
         if not abs(r.first_loss - base.first_loss) <= tol:
             raise SystemExit(f"not the same samples: step-1 loss of {r.variant} {r.first_loss:.4f} vs "
                              f"{base.variant} {base.first_loss:.4f} (more than {tol} apart)")  # fmt: skip
-    return f"same samples: the step-1 losses of all {len(results)} variants agree within {tol} ({base.first_loss:.4f})"
+    return f"same samples: the step-1 losses of all {len(results)} {what} agree within {tol} ({base.first_loss:.4f})"
 
 
 def split_variant(variant: str) -> tuple[str, float | None]:
@@ -187,6 +196,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "GPU (needs the numactl CLI); matters for offload-optimizer's host-side Adam")  # fmt: skip
     p.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
                    help="offload-optimizer: the share of the optimizer's parameters updated on the host")  # fmt: skip
+    p.add_argument("--save-runs", type=Path, default=None,
+                   help="append each finished run to this JSON-lines file (for --pool; kept if a later run fails)")  # fmt: skip
+    p.add_argument("--pool", type=Path, nargs="+", default=None,
+                   help="train nothing: pool the runs saved by --save-runs in these files (same settings), "
+                   "each variant's runs as rounds, and print the table")  # fmt: skip
     args = p.parse_args(argv)
     for variant in args.variants:
         try:
@@ -265,6 +279,59 @@ def pooled(args, f, runs: list[Result]) -> Result:
                   runs[0].first_loss, times)  # fmt: skip
 
 
+# options that may differ between invocations whose runs are pooled: the order and how often the
+# variants ran, and where things were written
+NOT_SETTINGS = ("variants", "rounds", "save_runs", "pool", "profile_dir")
+
+
+def settings(args) -> dict:
+    """The options that make two invocations' runs comparable (every one but NOT_SETTINGS)."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in NOT_SETTINGS}
+
+
+def save_run(path: Path, args, rnd: int, first: bool, r: Result, device: str) -> None:
+    """Append run ``r`` (round ``rnd``; ``first``: it ran first in its round) on ``device`` to ``path``."""
+    record = {"settings": settings(args), "device": device, "round": rnd, "first": first,
+              "result": dataclasses.asdict(r)}  # fmt: skip
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def load_runs(paths: list[Path]) -> tuple[dict, dict[str, list[Result]], dict[str, int], set[str]]:
+    """The runs saved in ``paths``: their settings, each variant's runs in file and round order, how
+    often each variant ran first in its round, and the devices they ran on. Exits naming the file and line of a run whose
+    settings differ from the first run's, or a variant with fewer runs than another."""
+    first_settings, runs, first, devices = None, {}, {}, set()
+    for path in paths:
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as e:
+            raise SystemExit(f"--pool {path}: cannot read it ({e.strerror})") from None
+        for n, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                saved, result = record["settings"], Result(**record["result"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"{path}:{n}: not a run saved by --save-runs ({e})") from None
+            result = dataclasses.replace(result, step_times=tuple(result.step_times))
+            if first_settings is None:
+                first_settings = saved
+            differ = sorted(k for k in first_settings.keys() | saved.keys() if first_settings.get(k) != saved.get(k))
+            if differ:
+                k = differ[0]
+                raise SystemExit(f"{path}:{n}: run of {result.variant} has {k}={saved.get(k)!r}, "
+                                 f"the first run {k}={first_settings.get(k)!r}; only runs of the same settings pool")  # fmt: skip
+            runs.setdefault(result.variant, []).append(result)
+            first[result.variant] = first.get(result.variant, 0) + bool(record.get("first"))
+            devices.add(record.get("device", "?"))
+    if first_settings is None:
+        raise SystemExit(f"--pool {' '.join(map(str, paths))}: no runs saved there")
+    counts = {v: len(r) for v, r in runs.items()}
+    if len(set(counts.values())) > 1:
+        raise SystemExit(f"--pool: every variant needs as many runs as the others to pair them, got {counts}")
+    return first_settings, runs, first, devices
+
+
 def run_variant(args, variant: str, workdir: Path, f, rnd: int = 0) -> Result:
     out = workdir / (variant if rnd == 0 else f"{variant}-round{rnd + 1}")
     cmd = train_command(args, variant, out)
@@ -273,7 +340,9 @@ def run_variant(args, variant: str, workdir: Path, f, rnd: int = 0) -> Result:
     # per process instead, for the host-side Adam of offload-optimizer (the same for every variant)
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // args.gpus))
     env = dict(os.environ, LOONG_DEVICE=args.device, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads)
+    started = time.monotonic()
     rows = run_train_app(cmd, out, label=f"variant {variant}", env=env)
+    wall = time.monotonic() - started
     train = [r for r in rows if args.warmup < r["step"] <= args.steps]
     step_s = statistics.median(r["step_time_s"] for r in train)
     tps = tokens_per_s_per_gpu(args, step_s)
@@ -291,17 +360,20 @@ def run_variant(args, variant: str, workdir: Path, f, rnd: int = 0) -> Result:
     print(f"   step s by step {[round(r['step_time_s'], 3) for r in rows]}", flush=True)  # the median's spread
     print(f"   grad norm by step {[None if r.get('grad_norm') is None else round(r['grad_norm'], 4) for r in rows]}",
           flush=True)  # fmt: skip
+    # what a run costs beyond its steps (start-up, model build, data): to plan runs in a time limit
+    print(f"   run took {wall:.0f} s, {wall - sum(r['step_time_s'] for r in rows):.0f} s of it outside the steps",
+          flush=True)  # fmt: skip
     return Result(variant, step_s, tps, mfu(f, args.seq, tps), peak, rows[0]["loss"],
                   tuple(r["step_time_s"] for r in train))
 
 
-def table(args, f, results: list[Result]) -> str:
+def table(args, f, results: list[Result], order: str = "in alternating order") -> str:
     lines = [
         f"{args.model} x {args.layers} layers: {f.num_parameters() / 1e9:.2f}B params, "
         f"{f.num_active_parameters() / 1e9:.2f}B active, {f.moe.num_experts} experts top-{f.moe.router_topk} | "
         f"seq {args.seq}, micro-batch {args.mbs} x {args.microbatches} | {args.gpus} GPUs, EP {args.ep} | "
         f"median of {args.steps - args.warmup} steps after {args.warmup}"
-        + (f", {args.rounds} rounds in alternating order" if args.rounds > 1 else ""),
+        + (f", {args.rounds} rounds {order}" if args.rounds > 1 else ""),
         f"{'variant':<22} {'step s':>8} {'tokens/s/GPU':>13} {'MFU':>6} {'peak GiB (rank 0)':>18} {'vs baseline':>12} "
         f"{'paired':>8}",
     ]
@@ -316,19 +388,42 @@ def table(args, f, results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def device_name(device: str) -> str:
+    """The GPU's name for ``cuda``, else the device as given."""
+    if device != "cuda":
+        return device
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda (absent)"
+
+
+def pool(paths: list[Path]) -> None:
+    """--pool: the table of the runs saved in ``paths``, each variant's runs pooled as rounds, after
+    checking that every run (not only each variant's first) trained the same samples."""
+    saved, runs, first, devices = load_runs(paths)
+    args = argparse.Namespace(**saved, variants=list(runs), rounds=len(next(iter(runs.values()))))
+    f = foundation(args)
+    results = [pooled(args, f, runs[v]) for v in args.variants]
+    order = "ran first in its round: " + ", ".join(f"{v} {first[v]}x" for v in args.variants)
+    print(f"pooled from {', '.join(map(str, paths))}\n{', '.join(sorted(devices))}")
+    print(table(args, f, results, order=f"pooled ({order})"))
+    print(check_same_samples([r for v in args.variants for r in runs[v]], what="runs"))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.pool:
+        pool(args.pool)
+        return
     f = foundation(args)
+    device = device_name(args.device)
     runs: dict[str, list[Result]] = {v: [] for v in args.variants}
     with tempfile.TemporaryDirectory() as tmp:
-        for rnd, variant in run_order(args.variants, args.rounds):
+        for i, (rnd, variant) in enumerate(run_order(args.variants, args.rounds)):
             runs[variant].append(run_variant(args, variant, Path(tmp), f, rnd))
+            if args.save_runs:
+                save_run(args.save_runs, args, rnd, i % len(args.variants) == 0, runs[variant][-1], device)
     results = [pooled(args, f, runs[v]) for v in args.variants]
-    device = args.device
-    if device == "cuda":
-        import torch
-
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda (absent)"
     print(f"\n{device}")
     print(table(args, f, results))
     if len(results) > 1:

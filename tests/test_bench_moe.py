@@ -175,3 +175,50 @@ def test_a_profiled_step_comes_after_the_measured_ones(tmp_path):
     cmd = bench.train_command(args, "a2a-overlap", tmp_path / "a")
     assert "train.steps=8" in cmd and "train.profile.start_step=8" in cmd
     assert f"train.profile.dir={tmp_path / 'prof' / 'a2a-overlap'}" in cmd
+
+
+def _save(path, args, order, times, loss=12.315, device="NVIDIA H200"):
+    for i, variant in enumerate(order):
+        step_s = sorted(times[variant])[len(times[variant]) // 2]
+        r = bench.Result(variant, step_s, 0.0, 0.0, {"baseline": 51.41}.get(variant, 23.24), loss, times[variant])
+        bench.save_run(path, args, 0, i == 0, r, device)
+
+
+def test_runs_saved_by_two_invocations_pool_as_rounds_of_one(tmp_path, capsys):
+    # one order per invocation (a lent machine's call could not hold both rounds): A B, then B A
+    args = bench.parse_args(["--gpus", "1", "--precision-aware", "--microbatches", "64", "--steps", "6", "--warmup", "3",
+                             "--variants", "baseline", "offload-optimizer-device@1"])  # fmt: skip
+    reverse = bench.parse_args(["--gpus", "1", "--precision-aware", "--microbatches", "64", "--steps", "6", "--warmup", "3",
+                                "--variants", "offload-optimizer-device@1", "baseline"])  # fmt: skip
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _save(a, args, args.variants, {"baseline": (14.42, 13.811, 14.83), "offload-optimizer-device@1": (15.338, 14.053, 16.719)})
+    _save(b, reverse, reverse.variants, {"baseline": (18.561, 15.924, 16.667), "offload-optimizer-device@1": (16.85, 16.13, 14.36)})
+    bench.main(["--pool", str(a), str(b)])
+    out = capsys.readouterr().out
+    # pooled medians: baseline (14.83 + 15.924) / 2, offload (15.338 + 16.13) / 2
+    assert " 15.377 " in out and " 15.734 " in out
+    assert f"{15.377 / 15.734:.3f}x" in out  # the medians' ratio, 0.977x
+    pairs = sorted([14.42 / 15.338, 13.811 / 14.053, 14.83 / 16.719, 18.561 / 16.85, 15.924 / 16.13, 16.667 / 14.36])
+    assert f"{(pairs[2] + pairs[3]) / 2:.3f}x" in out  # each step against the same step of the same round
+    assert "2 rounds pooled (ran first in its round: baseline 1x, offload-optimizer-device@1 1x)" in out
+    assert "same samples: the step-1 losses of all 4 runs agree" in out and "NVIDIA H200" in out
+
+
+def test_pooling_refuses_runs_of_other_settings_samples_or_counts(tmp_path):
+    args = bench.parse_args(["--gpus", "1", "--variants", "baseline", "a2a-overlap"])
+    times = {"baseline": (1.0, 1.1), "a2a-overlap": (0.9, 1.0)}
+    a, other, drifted, short = (tmp_path / f"{n}.jsonl" for n in ("a", "other", "drifted", "short"))
+    _save(a, args, args.variants, times)
+    _save(other, bench.parse_args(["--gpus", "1", "--microbatches", "8", "--variants", "baseline", "a2a-overlap"]),
+          args.variants, times)  # fmt: skip
+    with pytest.raises(SystemExit, match=r"other.jsonl:1: run of baseline has microbatches=8, the first run microbatches=4"):
+        bench.main(["--pool", str(a), str(other)])
+    _save(drifted, args, args.variants, times, loss=12.6)
+    with pytest.raises(SystemExit, match="not the same samples"):  # every run is checked, not only the first round's
+        bench.main(["--pool", str(a), str(drifted)])
+    _save(short, args, ["baseline"], times)
+    with pytest.raises(SystemExit, match=r"as many runs as the others .*'baseline': 2, 'a2a-overlap': 1"):
+        bench.main(["--pool", str(a), str(short)])
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: not a run saved by --save-runs"):
+        bench.main(["--pool", str(tmp_path / "bad.jsonl")])
