@@ -200,7 +200,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="append each finished run to this JSON-lines file (for --pool; kept if a later run fails)")  # fmt: skip
     p.add_argument("--pool", type=Path, nargs="+", default=None,
                    help="train nothing: pool the runs saved by --save-runs in these files (same settings), "
-                   "each variant's runs as rounds, and print the table")  # fmt: skip
+                   "each variant's runs as rounds, and print the table; pool runs of one machine only (the "
+                   "GPUs' names are printed, not compared)")  # fmt: skip
     args = p.parse_args(argv)
     for variant in args.variants:
         try:
@@ -299,15 +300,18 @@ def save_run(path: Path, args, rnd: int, first: bool, r: Result, device: str) ->
 
 def load_runs(paths: list[Path]) -> tuple[dict, dict[str, list[Result]], dict[str, int], set[str]]:
     """The runs saved in ``paths``: their settings, each variant's runs in file and round order, how
-    often each variant ran first in its round, and the devices they ran on. Exits naming the file and line of a run whose
-    settings differ from the first run's, or a variant with fewer runs than another."""
-    first_settings, runs, first, devices = None, {}, {}, set()
+    often each variant ran first in its round, and the devices they ran on. Exits naming the file
+    and line of a run whose settings differ from the first run's, or naming a round that lacks a
+    variant (a call cut short): the variants' runs are paired round by round."""
+    first_settings, runs, first, devices, rounds = None, {}, {}, set(), {}
     for path in paths:
         try:
             lines = path.read_text().splitlines()
         except OSError as e:
             raise SystemExit(f"--pool {path}: cannot read it ({e.strerror})") from None
         for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
                 record = json.loads(line)
                 saved, result = record["settings"], Result(**record["result"])
@@ -324,11 +328,14 @@ def load_runs(paths: list[Path]) -> tuple[dict, dict[str, list[Result]], dict[st
             runs.setdefault(result.variant, []).append(result)
             first[result.variant] = first.get(result.variant, 0) + bool(record.get("first"))
             devices.add(record.get("device", "?"))
+            rounds.setdefault((str(path), record.get("round", 0)), set()).add(result.variant)
     if first_settings is None:
         raise SystemExit(f"--pool {' '.join(map(str, paths))}: no runs saved there")
-    counts = {v: len(r) for v, r in runs.items()}
-    if len(set(counts.values())) > 1:
-        raise SystemExit(f"--pool: every variant needs as many runs as the others to pair them, got {counts}")
+    for (path, rnd), present in rounds.items():
+        if present != runs.keys():
+            missing = ", ".join(v for v in runs if v not in present)
+            raise SystemExit(f"--pool {path}: round {rnd + 1} has no run of {missing}; the variants' runs are "
+                             "paired round by round")  # fmt: skip
     return first_settings, runs, first, devices
 
 
