@@ -204,7 +204,7 @@ def test_runs_saved_by_two_invocations_pool_as_rounds_of_one(tmp_path, capsys):
     assert "same samples: the step-1 losses of all 4 runs agree" in out and "NVIDIA H200" in out
 
 
-def test_pooling_refuses_runs_of_other_settings_samples_or_counts(tmp_path):
+def test_pooling_refuses_runs_of_other_settings_or_samples_and_a_round_short_of_a_variant(tmp_path):
     args = bench.parse_args(["--gpus", "1", "--variants", "baseline", "a2a-overlap"])
     times = {"baseline": (1.0, 1.1), "a2a-overlap": (0.9, 1.0)}
     a, other, drifted, short = (tmp_path / f"{n}.jsonl" for n in ("a", "other", "drifted", "short"))
