@@ -25,6 +25,8 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py ... --save-runs a.jsonl --variants baseline offload-optimizer-device@1
     python bench/moe_throughput.py ... --save-runs b.jsonl --variants offload-optimizer-device@1 baseline
     python bench/moe_throughput.py --pool a.jsonl b.jsonl
+    # where the step goes: each step's forward-backward timed apart from the rest (the update)
+    python bench/moe_throughput.py ... --time-compute --variants baseline offload-optimizer-device@1
 
 Each variant also prints the router's load imbalance (busiest expert over the mean) and the EP
 ranks' (busiest rank's routed tokens over the mean rank's): with unequal expert work the
@@ -37,6 +39,13 @@ job report no batch digests). The table gives each variant's median step (over a
 ratios (step k of one against step k of the other, which routed the same tokens). --pool reads
 runs that several invocations saved (--save-runs), refuses runs of other settings or samples, and
 pools each variant's runs as rounds.
+
+--time-compute (a device sync before each step's update, in every variant) splits each step into
+the forward-backward and the rest (the gradients' finalisation, the optimizer's update, the loss
+read) and the table adds each variant's medians of both, the rest's difference to the baseline,
+and the ratio the baseline's median step would have with that difference alone. An optimizer
+variant changes only the rest, while the forward-backward of 64 micro-batches on a lent machine
+spreads by more than the update costs; the split tells the two apart.
 
 MFU = (6 N + 6 L h s) * tokens/s/GPU / peak (989 TFLOP/s bf16 on H100/H200), N = the parameters
 one token uses (active: attention, router, top-k experts, embeddings), as the train app reports.
@@ -109,6 +118,7 @@ class Result:
     peak_gib: float
     first_loss: float = float("nan")  # the loss of step 1, before any update
     step_times: tuple[float, ...] = ()  # the measured steps' times, in step order
+    compute_times: tuple[float, ...] = ()  # their forward-backward parts (--time-compute), in step order
 
 
 def paired_ratio(base: Result, r: Result) -> float:
@@ -196,6 +206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "GPU (needs the numactl CLI); matters for offload-optimizer's host-side Adam")  # fmt: skip
     p.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
                    help="offload-optimizer: the share of the optimizer's parameters updated on the host")  # fmt: skip
+    p.add_argument("--time-compute", action="store_true",
+                   help="time each step's forward-backward apart from the rest (train.time_compute, every variant)")
     p.add_argument("--save-runs", type=Path, default=None,
                    help="append each finished run to this JSON-lines file (for --pool; kept if a later run fails)")  # fmt: skip
     p.add_argument("--pool", type=Path, nargs="+", default=None,
@@ -245,6 +257,7 @@ def train_command(args, variant: str, out: Path) -> list[str]:
         # one EP rank did all the expert work and overlap could not pay.
         *(["++model.foundation.extra.moe_router_force_load_balancing=true"] if args.forced_routing else []),
         *(["optim.precision_aware=true"] if args.precision_aware else []),
+        *(["train.time_compute=true"] if args.time_compute else []),
         *VARIANTS[name],
         *([f"optim.offload_fraction={args.optimizer_offload_fraction if share is None else share}"]
           if name in OPTIMIZER_OFFLOAD else []),
@@ -277,7 +290,30 @@ def pooled(args, f, runs: list[Result]) -> Result:
     step_s = statistics.median(times)
     tps = tokens_per_s_per_gpu(args, step_s)
     return Result(runs[0].variant, step_s, tps, mfu(f, args.seq, tps), max(r.peak_gib for r in runs),
-                  runs[0].first_loss, times)  # fmt: skip
+                  runs[0].first_loss, times, tuple(t for r in runs for t in r.compute_times))  # fmt: skip
+
+
+def rest_times(r: Result) -> list[float]:
+    """Each measured step's time outside its forward-backward (finalisation, update, loss read)."""
+    return [t - c for t, c in zip(r.step_times, r.compute_times, strict=True)]
+
+
+def split_lines(results: list[Result]) -> list[str]:
+    """--time-compute: each variant's median forward-backward and median rest of a step, and for the
+    others the rest's difference to the baseline's and the ratio the baseline's median step would
+    have with that difference alone (what the variant's own work costs, apart from the spread of
+    the forward-backward)."""
+    base = next((r for r in results if r.variant == "baseline"), None)
+    lines = [f"{'where the step goes':<26} {'fwd-bwd s':>9} {'rest s':>7} {'rest - baseline':>16} {'ratio from it':>14}"]
+    for r in results:
+        rest = statistics.median(rest_times(r))
+        delta = rest - statistics.median(rest_times(base)) if base else float("nan")
+        ratio = base.step_s / (base.step_s + delta) if base else float("nan")
+        extra = (f"{delta:+16.3f} {ratio:13.3f}x") if base and r is not base else f"{'-':>16} {'-':>14}"
+        lines.append(f"{r.variant:<26} {statistics.median(r.compute_times):9.3f} {rest:7.3f} {extra}")
+    lines.append("rest: the step outside its forward-backward (gradients' finalisation, the update, the loss read); "
+                 "ratio from it: the baseline's median step over itself plus that difference")  # fmt: skip
+    return lines
 
 
 # options that may differ between invocations whose runs are pooled: the order and how often the
@@ -317,7 +353,8 @@ def load_runs(paths: list[Path]) -> tuple[dict, dict[str, list[Result]], dict[st
                 saved, result = record["settings"], Result(**record["result"])
             except (ValueError, KeyError, TypeError) as e:
                 raise SystemExit(f"{path}:{n}: not a run saved by --save-runs ({e})") from None
-            result = dataclasses.replace(result, step_times=tuple(result.step_times))
+            result = dataclasses.replace(result, step_times=tuple(result.step_times),
+                                         compute_times=tuple(result.compute_times))  # fmt: skip
             if first_settings is None:
                 first_settings = saved
             differ = sorted(k for k in first_settings.keys() | saved.keys() if first_settings.get(k) != saved.get(k))
@@ -351,6 +388,8 @@ def run_variant(args, variant: str, workdir: Path, f, rnd: int = 0) -> Result:
     rows = run_train_app(cmd, out, label=f"variant {variant}", env=env)
     wall = time.monotonic() - started
     train = [r for r in rows if args.warmup < r["step"] <= args.steps]
+    if args.time_compute and any("compute_s" not in r for r in train):
+        raise SystemExit(f"variant {variant}: --time-compute, but its metrics have steps without compute_s")
     step_s = statistics.median(r["step_time_s"] for r in train)
     tps = tokens_per_s_per_gpu(args, step_s)
     imbalance = statistics.mean(r.get("moe_load_imbalance", float("nan")) for r in train)
@@ -365,13 +404,15 @@ def run_variant(args, variant: str, workdir: Path, f, rnd: int = 0) -> Result:
     # should agree step by step up to bf16 rounding of another execution order
     print(f"   loss by step {[round(r['loss'], 4) for r in rows]}", flush=True)
     print(f"   step s by step {[round(r['step_time_s'], 3) for r in rows]}", flush=True)  # the median's spread
+    if args.time_compute:
+        print(f"   forward-backward s by step {[round(r['compute_s'], 3) for r in rows if 'compute_s' in r]}", flush=True)
     print(f"   grad norm by step {[None if r.get('grad_norm') is None else round(r['grad_norm'], 4) for r in rows]}",
           flush=True)  # fmt: skip
     # what a run costs beyond its steps (start-up, model build, data): to plan runs in a time limit
     print(f"   run took {wall:.0f} s, {wall - sum(r['step_time_s'] for r in rows):.0f} s of it outside the steps",
           flush=True)  # fmt: skip
     return Result(variant, step_s, tps, mfu(f, args.seq, tps), peak, rows[0]["loss"],
-                  tuple(r["step_time_s"] for r in train))
+                  tuple(r["step_time_s"] for r in train), tuple(r["compute_s"] for r in train if "compute_s" in r))
 
 
 def table(args, f, results: list[Result], order: str = "in alternating order") -> str:
@@ -392,6 +433,8 @@ def table(args, f, results: list[Result], order: str = "in alternating order") -
                      f"{r.peak_gib:18.2f} {ratio:>12} {paired:>8}")  # fmt: skip
     lines.append("vs baseline: the medians' ratio; paired: the median over steps of the baseline's step time "
                  "over the variant's at the same step")
+    if results and all(r.compute_times for r in results):
+        lines += split_lines(results)
     return "\n".join(lines)
 
 

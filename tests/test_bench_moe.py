@@ -1,5 +1,6 @@
 """The CPU side of bench/moe_throughput.py: arguments, the commands it launches, the MFU formula."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,32 @@ def test_pooling_refuses_runs_of_other_settings_or_samples_and_a_round_short_of_
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(SystemExit, match=r"bad.jsonl:1: not a run saved by --save-runs"):
         bench.main(["--pool", str(tmp_path / "bad.jsonl")])
+
+
+def test_time_compute_reaches_every_variant_and_splits_the_table(tmp_path):
+    args = bench.parse_args(["--time-compute", "--precision-aware", "--variants", "baseline", "offload-optimizer-device@1"])
+    for variant in args.variants:
+        assert "train.time_compute=true" in bench.train_command(args, variant, tmp_path / "x")
+    assert "train.time_compute=true" not in bench.train_command(bench.parse_args([]), "baseline", tmp_path / "x")
+    # the forward-backward spreads (15, 14, 16 s) and differs between the runs; the rest does not
+    base = bench.Result("baseline", 15.4, 1.0, 0.1, 51.4, 12.3, (15.4, 14.3, 16.4), (15.0, 13.9, 16.0))
+    device = bench.Result("offload-optimizer-device@1", 16.0, 1.0, 0.1, 23.2, 12.3, (16.0, 14.0, 17.2), (15.2, 13.2, 16.4))
+    assert bench.rest_times(device) == pytest.approx([0.8, 0.8, 0.8])
+    text = bench.table(args, bench.foundation(args), [base, device])
+    line = next(ln for ln in text.splitlines() if ln.startswith("offload-optimizer-device@1") and "+" in ln)
+    assert line.split() == ["offload-optimizer-device@1", "15.200", "0.800", "+0.400", f"{15.4 / 15.8:.3f}x"]
+    assert "where the step goes" not in bench.table(args, bench.foundation(args), [dataclasses.replace(base, compute_times=())])
+    pooled = bench.pooled(args, bench.foundation(args), [base, base])
+    assert pooled.compute_times == base.compute_times * 2
+
+
+def test_a_cpu_run_of_the_train_app_times_each_steps_forward_backward(tmp_path, capsys):
+    runs = tmp_path / "runs.jsonl"
+    bench.main(["--device", "cpu", "--dtype", "fp32", "--model", "qwen3-moe-tiny", "--layers", "2", "--seq", "64",
+                "--gpus", "1", "--microbatches", "2", "--steps", "3", "--warmup", "1", "--time-compute",
+                "--save-runs", str(runs), "--variants", "baseline"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "forward-backward s by step" in out and "where the step goes" in out
+    saved = bench.load_runs([runs])[1]["baseline"][0]
+    assert len(saved.compute_times) == len(saved.step_times) == 2
+    assert all(0 < c < t for c, t in zip(saved.compute_times, saved.step_times, strict=True))

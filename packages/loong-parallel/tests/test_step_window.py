@@ -33,6 +33,14 @@ def test_a_record_sums_the_window_and_reports_the_last_step():
     assert postfix["loss"] == "2.5000"
 
 
+def test_a_step_whose_forward_backward_was_timed_reports_it_and_others_do_not():
+    w = StepWindow()
+    w.add(Counts(tokens=10), 0.0, step_time=0.5)
+    timed = StepResult(loss=2.5, num_tokens=64, grad_norm=1.5, lr=1e-3, skipped=False, compute_s=0.375)
+    assert w.record(1, timed, world_size=1, peak_flops=None)[0]["compute_s"] == 0.375
+    assert "compute_s" not in w.record(1, RESULT, world_size=1, peak_flops=None)[0]
+
+
 def test_throughput_and_mfu_are_over_the_window_time():
     w = StepWindow()
     w.add(Counts(tokens=1000), 4e12, step_time=0.1)

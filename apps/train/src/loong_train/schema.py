@@ -35,6 +35,7 @@ class TrainConfig:
     output_dir: str = "runs/default"
     log_interval: int = 1
     sync_steps: bool = True  # false: no device sync at a step's end (the next one queues during its update)
+    time_compute: bool = False  # true: each step's forward-backward timed apart (logged as compute_s)
     eval_interval: int = 50  # 0 = no periodic eval (a final eval still runs when eval_iters > 0)
     eval_iters: int = 4
     save_interval: int = 0  # 0 = save at the end only

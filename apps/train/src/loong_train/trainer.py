@@ -229,7 +229,8 @@ class Trainer:
         """One optimizer step on the next global batch (its time: loong_parallel.StepClock)."""
         t0 = self.clock.start()
         mbs = next(self.batches)
-        sync = self.accel.synchronize if self.balancer else None  # the balancer learns from compute times
+        # the balancer learns from compute times; train.time_compute logs them (a device sync before the update)
+        sync = self.accel.synchronize if self.balancer or self.cfg.train.time_compute else None
         result = train_step(self.forward_step, microbatch_iterators(mbs, len(self.chunks)), self.chunks, self.optimizer,
                             self.scheduler, device=self.device, synchronize=sync, forward_backward_func=self.schedule,
                             **schedule_shape(mbs))  # fmt: skip

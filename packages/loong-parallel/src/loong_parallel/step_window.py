@@ -56,6 +56,8 @@ class StepWindow:
             record.update(step_tokens=self.last.tokens, step_images=self.last.images, step_samples=self.last.samples)
         if self.last.digest is not None:  # what the last step trained on (benches assert stacks agree)
             record["step_digest"] = self.last.digest
+        if result.compute_s is not None:  # the last step's forward-backward (train.time_compute, DP balancing)
+            record["compute_s"] = result.compute_s
         if peak_flops:
             record["mfu"] = self.flops / elapsed / world_size / peak_flops
         return record, {"loss": f"{result.loss:.4f}", "tok_s": f"{tps:,.0f}"}
