@@ -41,8 +41,8 @@ runs that several invocations saved (--save-runs), refuses runs of other setting
 pools each variant's runs as rounds.
 
 --time-compute (a device sync before each step's update, in every variant) splits each step into
-the forward-backward and the rest (the gradients' finalisation, the optimizer's update, the loss
-read) and the table adds each variant's medians of both, the rest's difference to the baseline,
+the forward-backward and the rest (the batch's fetch, the gradients' finalisation, the optimizer's
+update, the loss read) and the table adds each variant's medians of both, the rest's difference to the baseline,
 and the ratio the baseline's median step would have with that difference alone. An optimizer
 variant changes only the rest, while the forward-backward of 64 micro-batches on a lent machine
 spreads by more than the update costs; the split tells the two apart.
@@ -294,7 +294,7 @@ def pooled(args, f, runs: list[Result]) -> Result:
 
 
 def rest_times(r: Result) -> list[float]:
-    """Each measured step's time outside its forward-backward (finalisation, update, loss read)."""
+    """Each measured step's time outside its forward-backward (batch fetch, finalisation, update, loss read)."""
     return [t - c for t, c in zip(r.step_times, r.compute_times, strict=True)]
 
 
@@ -311,8 +311,9 @@ def split_lines(results: list[Result]) -> list[str]:
         ratio = base.step_s / (base.step_s + delta) if base else float("nan")
         extra = (f"{delta:+16.3f} {ratio:13.3f}x") if base and r is not base else f"{'-':>16} {'-':>14}"
         lines.append(f"{r.variant:<26} {statistics.median(r.compute_times):9.3f} {rest:7.3f} {extra}")
-    lines.append("rest: the step outside its forward-backward (gradients' finalisation, the update, the loss read); "
-                 "ratio from it: the baseline's median step over itself plus that difference")  # fmt: skip
+    lines.append("rest: the step outside its forward-backward (the batch's fetch, the gradients' finalisation, "
+                 "the update, the loss read); ratio from it: the baseline's median step over itself plus that "
+                 "difference")  # fmt: skip
     return lines
 
 
