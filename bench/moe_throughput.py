@@ -304,12 +304,14 @@ def split_lines(results: list[Result]) -> list[str]:
     have with that difference alone (what the variant's own work costs, apart from the spread of
     the forward-backward)."""
     base = next((r for r in results if r.variant == "baseline"), None)
+    base_rest = statistics.median(rest_times(base)) if base else None
     lines = [f"{'where the step goes':<26} {'fwd-bwd s':>9} {'rest s':>7} {'rest - baseline':>16} {'ratio from it':>14}"]
     for r in results:
         rest = statistics.median(rest_times(r))
-        delta = rest - statistics.median(rest_times(base)) if base else float("nan")
-        ratio = base.step_s / (base.step_s + delta) if base else float("nan")
-        extra = (f"{delta:+16.3f} {ratio:13.3f}x") if base and r is not base else f"{'-':>16} {'-':>14}"
+        extra = f"{'-':>16} {'-':>14}"
+        if base is not None and r is not base:
+            delta = rest - base_rest
+            extra = f"{delta:+16.3f} {base.step_s / (base.step_s + delta):13.3f}x"
         lines.append(f"{r.variant:<26} {statistics.median(r.compute_times):9.3f} {rest:7.3f} {extra}")
     lines.append("rest: the step outside its forward-backward (the batch's fetch, the gradients' finalisation, "
                  "the update, the loss read); ratio from it: the baseline's median step over itself plus that "
