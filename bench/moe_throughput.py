@@ -20,6 +20,7 @@ EP = number of GPUs (dense part data-parallel over the same GPUs), 4 micro-batch
     python bench/moe_throughput.py --levers --precision-aware --variants baseline offload-optimizer@1 offload-optimizer@0.6
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer@1 offload-optimizer-device@1  # host vs device update
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --extra optim.state_dtype=bf16 --variants baseline offload-optimizer-device@1  # bf16 moments on both sides
+    python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --variants baseline offload-optimizer-device@1 offload-optimizer-remainder@1  # fp32 masters vs low halves
     python bench/moe_throughput.py --levers --microbatches 64 --precision-aware --rounds 2 --variants baseline offload-optimizer-device@1  # A B, then B A
     # rounds too long for one call of a lent machine: one order per call, each saved, then pooled
     python bench/moe_throughput.py ... --save-runs a.jsonl --variants baseline offload-optimizer-device@1
@@ -95,8 +96,10 @@ VARIANTS: dict[str, list[str]] = {
     # the same state in host memory, streamed through the GPU and updated there each step
     # (loong_xpu.offload_device_update); the share as above
     "offload-optimizer-device": ["optim.offload_update=device"],
+    # the same, the masters kept as their low 16 bits beside the bf16 weights: 2 bytes each way, not 4
+    "offload-optimizer-remainder": ["optim.offload_update=device", "optim.offload_master=remainder"],
 }
-OPTIMIZER_OFFLOAD = ("offload-optimizer", "offload-optimizer-device")  # the variants that take a share
+OPTIMIZER_OFFLOAD = ("offload-optimizer", "offload-optimizer-device", "offload-optimizer-remainder")  # take a share
 
 # The MoE levers that paid at EP=4 (--levers, added to every variant): TE's fused token permutation
 # and router kernels (megatron's moe_permute_fusion / moe_router_fusion) and the weight-gradient

@@ -39,6 +39,8 @@ def test_optimizer_offload_is_compared_against_a_precision_aware_baseline(tmp_pa
     device = bench.train_command(args, "offload-optimizer-device@1", tmp_path / "d")
     assert set(device) - set(base) == {"optim.offload_fraction=1.0", "optim.offload_update=device",
                                        f"train.output_dir={tmp_path / 'd'}"}  # fmt: skip
+    remainder = bench.train_command(args, "offload-optimizer-remainder@1", tmp_path / "r")
+    assert set(remainder) - set(device) == {"optim.offload_master=remainder", f"train.output_dir={tmp_path / 'r'}"}
 
 
 def test_one_run_compares_several_optimizer_offload_shares(tmp_path):

@@ -3,7 +3,9 @@ GPU: half and all of the Adam state offloaded, updated on the host (megatron's) 
 the GPU (optim.offload_update=device), give the losses and gradient norms of the all-GPU
 precision-aware optimizer from the same weights, and a run resumes from a checkpoint written with
 the state on the host onto the same losses. With bf16 moments (optim.state_dtype=bf16, device
-update only) the same against the all-GPU optimizer keeping bf16 moments."""
+update only) the same against the all-GPU optimizer keeping bf16 moments. With the masters kept as
+their low halves beside the bf16 weights (optim.offload_master=remainder) the losses of fp32 masters,
+and a resume."""
 
 import shutil
 
@@ -82,3 +84,23 @@ def test_bf16_moments_on_the_host_keep_the_losses_of_bf16_moments_on_the_gpu_and
             assert b == pytest.approx(a, rel=5e-2), (fraction, _grad_norms(run), _grad_norms(plain))
     # megatron's checkpoint keeps fp32 moments; they load back as the device update's bf16 ones
     _resumes_onto_the_same_losses(run_train, runs[0.5], [*common, "optim.offload_update=device"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_masters_kept_as_low_halves_keep_the_losses_of_fp32_masters_and_resume(tmp_path, data_cache):
+    """optim.offload_master=remainder: the same masters bit for bit (the weights rounded alike but at
+    exact ties), so the losses of the fp32 masters; train.init_from reloads the masters from the
+    weights, and the checkpoints hold the fp32 masters written back (a resume gives the same losses)."""
+    run_train = make_runner(tmp_path, data_cache, defaults=TINY)
+    init = run_train(["train.steps=0"], name="init").check()
+    common = [*COMMON, f"train.init_from={init.out_dir / 'checkpoints' / 'step_00000000'}",
+              "optim.offload_update=device"]  # fmt: skip
+    for fraction in (1.0, 0.5):
+        share = [*common, f"optim.offload_fraction={fraction}"]
+        whole = run_train(share, name=f"fp32{fraction}", device="cuda").check()
+        halves = run_train([*share, "optim.offload_master=remainder"], name=f"halves{fraction}", device="cuda").check()
+        assert "masters as low halves beside the bf16 weights" in halves.stderr
+        for step, loss in whole.losses().items():
+            assert halves.losses()[step] == pytest.approx(loss, abs=1e-3), (fraction, step)
+    _resumes_onto_the_same_losses(run_train, halves, [*common, "optim.offload_master=remainder"])

@@ -45,11 +45,26 @@ def test_valid_layout_passes():
         (OptimConfig(offload_fraction=0.5, precision_aware=True, state_dtype="bf16", offload_update="host"),
          r"optim.offload_fraction=0.5 with optim.state_dtype=bf16 needs optim.offload_update=device"),
         (OptimConfig(host_threads=0), r"optim.host_threads=0 must be >= 1 or null \(automatic\)"),
+        (OptimConfig(offload_master="remainder"), r"optim.offload_master=remainder needs optim.offload_fraction > 0 "
+                                                  r"\(it is 0.0\) and optim.offload_update=device"),
+        (OptimConfig(offload_master="remainder", precision_aware=True, offload_fraction=1.0, offload_update="host"),
+         r"optim.offload_master=remainder needs .* optim.offload_update=device \(it is host\)"),
     ],
 )
 def test_bad_optimizer_settings(ocfg, message):
     with pytest.raises(ValueError, match=message):
         ocfg.validate()
+
+
+def test_masters_kept_as_low_halves_need_bf16_weights():
+    import torch
+
+    from loong_parallel.optimizer import build_optimizer
+
+    ocfg = OptimConfig(precision_aware=True, offload_fraction=1.0, offload_master="remainder")
+    with pytest.raises(ValueError, match=r"optim.offload_master=remainder needs bf16 weights \(train.dtype=bf16\); "
+                                         r"the weights are torch.float16"):  # fmt: skip
+        build_optimizer(ocfg, ParallelConfig(distributed_optimizer=True), [], dtype=torch.float16, total_steps=1)
 
 
 MOE = dict(num_experts=8, expert_ffn_hidden_size=32, has_shared_experts=False)

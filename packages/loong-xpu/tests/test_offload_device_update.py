@@ -9,6 +9,7 @@ import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 from loong_xpu import get_accelerator, redirect_cuda
+from loong_xpu.master_remainder import join_master
 from loong_xpu.offload_buckets import buckets
 from loong_xpu.offload_device_update import (
     TARGET,
@@ -193,3 +194,133 @@ def test_bf16_moments_stream_through_the_gpu_and_stay_bf16_on_the_host(monkeypat
     for state in opt.state.values():
         for key in ("exp_avg", "exp_avg_sq"):
             assert state[key].dtype == torch.bfloat16 and state[key].is_pinned() and state[key].abs().sum() > 0
+
+
+class _HostShare:
+    """The parts of megatron's HybridDeviceOptimizer that :func:`device_step` reads, set up as megatron
+    sets them (host fp32 masters in host AdamWs, each mapped to its bf16 weight; no device share):
+    megatron's class needs CUDA to be built."""
+
+    def __init__(self, weights: list[torch.nn.Parameter], **hyper):
+        self.masters = [w.detach().float() for w in weights]
+        self.cpu_optimizers = [torch.optim.AdamW(self.masters, **hyper)]
+        self.cpu_copys_map_gpu_param = dict(zip(self.masters, weights, strict=True))
+        self.gpu_optimizer = None
+        self._d2h_stream, self._h2d_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def _sync_hdo_param_groups_to_sub_optimizers(self):
+        pass
+
+    def _set_sub_optimizer_grads(self):
+        pass
+
+    def _sync_sub_optimizers_state_to_hdo(self):
+        pass
+
+
+def test_masters_kept_as_low_halves_update_exactly_as_torchs_fused_adamw(monkeypatch):
+    from loong_xpu import offload_device_update as odu
+
+    monkeypatch.setattr(odu, "CHUNK", 1000)  # the 2,500-element tensor in three chunks
+    g = torch.Generator().manual_seed(2)
+    shapes = [(2500,), (7, 11), (1,)]
+    with redirect_cuda(get_accelerator("cpu")):
+        weights = [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in shapes]
+        reference = [torch.nn.Parameter(w.detach().float()) for w in weights]
+        torch_adamw = torch.optim.AdamW(reference, fused=True, **HYPER)
+        hdo = _HostShare(weights, **HYPER)
+        setattr(hdo, odu.REMAINDERS, odu.Remainders())
+        remainders = getattr(hdo, odu.REMAINDERS)
+        initial = [m.clone() for m in hdo.masters]
+
+        def step():
+            for w, r in zip(weights, reference, strict=True):
+                w.decoupled_grad = torch.randn(w.shape, generator=g)
+                r.grad = w.decoupled_grad.clone()
+            torch_adamw.step()
+            odu.device_step(hdo)
+
+        for _ in range(3):
+            step()
+        # the first step read the masters from the host; after it only the low halves travel, and
+        # megatron's host masters are left behind until something reads them
+        assert all(torch.equal(m, i) for m, i in zip(hdo.masters, initial, strict=True))
+        assert remainders.ahead == remainders.current == set(hdo.masters)
+        for w, r, master in zip(weights, reference, hdo.masters, strict=True):
+            joined = torch.empty(master.shape)
+            join_master(w.detach(), remainders.tensors[master], joined)
+            assert torch.equal(joined, r.detach())  # the master bit for bit
+            _, tes_rounding = _split_like_te(r.detach())
+            assert torch.equal(w.detach(), tes_rounding)
+            state = hdo.cpu_optimizers[0].state[master]
+            assert torch.equal(state["exp_avg"], torch_adamw.state[r]["exp_avg"])
+        assert odu.write_back_masters(hdo, chunk=1000) == len(shapes)
+        assert all(torch.equal(m, r.detach()) for m, r in zip(hdo.masters, reference, strict=True))
+        assert not remainders.ahead and odu.write_back_masters(hdo) == 0
+        step()  # both current: the low halves travel
+        assert all(torch.equal(w.detach(), _split_like_te(r.detach())[1]) for w, r in zip(weights, reference))
+
+        # megatron writes its host masters (a loaded checkpoint): the next step reads them from there
+        for master, r in zip(hdo.masters, reference, strict=True):
+            master.mul_(0.5)
+            r.data.copy_(master)
+        odu._host_masters_rewritten(hdo)
+        assert not remainders.current
+        step()
+        for w, r, master in zip(weights, reference, hdo.masters, strict=True):
+            joined = torch.empty(master.shape)
+            join_master(w.detach(), remainders.tensors[master], joined)
+            assert torch.equal(joined, r.detach())
+
+
+def _split_like_te(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's rounding, computed apart from loong_xpu.master_remainder: the high half, one more where
+    the low half is >= 0x8000."""
+    unsigned = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = ((unsigned >> 16) + ((unsigned & 0xFFFF) >= 0x8000).to(torch.int64)) & 0xFFFF
+    high = torch.where(high >= 1 << 15, high - (1 << 16), high).to(torch.int16)
+    return (unsigned & 0xFFFF), high.view(torch.bfloat16)
+
+
+def test_keeping_masters_as_low_halves_needs_bf16_weights_and_the_manifests_wraps():
+    from loong_xpu import offload_device_update as odu
+
+    with redirect_cuda(get_accelerator("cpu")):
+        weights = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))]
+        hdo = _HostShare(weights, **HYPER)
+        weights[0].decoupled_grad = torch.ones(4)
+        with pytest.raises(ValueError, match="an offloaded weight is torch.float16; .* needs bf16 weights"):
+            odu.offloaded_pieces(hdo, remainders=odu.Remainders())
+        for target in odu.REMAINDER_TARGETS:
+            assert is_applied(target)
+    with pytest.raises(RuntimeError, match="needs the manifest's patch"):
+        update_on_device(object(), remainders=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_masters_kept_as_low_halves_on_the_gpu_give_the_fp32_masters_and_resume(monkeypatch):
+    from loong_xpu import offload_device_update as odu
+
+    monkeypatch.setattr(odu, "CHUNK", 1 << 18)
+    with redirect_cuda(get_accelerator("cuda")):
+        whole, fp32_opt = train_hybrid_device_optimizer(1.0, patched=True, on_device=True)
+        halves, opt = train_hybrid_device_optimizer(1.0, patched=True, on_device=True, remainders=True)
+        # the same CUDA kernel on the same masters: only the weights' rounding at exact ties differs
+        for a, b in zip(whole, halves, strict=True):
+            differs = a != b
+            assert differs.float().mean() < 1e-3
+            assert ((a.float() - b.float()).abs()[differs] <= a.float().abs()[differs] * 2**-7).all()
+        # state_dict writes megatron's host masters back first: they are the fp32 path's bit for bit
+        state_dict = opt.state_dict()
+        masters = [m for o in opt.cpu_optimizers for grp in o.param_groups for m in grp["params"]]
+        expected = [m for o in fp32_opt.cpu_optimizers for grp in o.param_groups for m in grp["params"]]
+        assert all(torch.equal(a, b) for a, b in zip(masters, expected, strict=True))
+        # a state saved this way loads into either layout and continues alike
+        continued, _ = train_hybrid_device_optimizer(1.0, patched=True, on_device=True, steps=1,
+                                                     state_dict=copy.deepcopy(fp32_opt.state_dict()))
+        again, loaded = train_hybrid_device_optimizer(1.0, patched=True, on_device=True, steps=1, remainders=True,
+                                                      state_dict=copy.deepcopy(state_dict))
+        for a, b in zip(continued, again, strict=True):
+            assert (a != b).float().mean() < 1e-3
+        assert getattr(loaded, odu.REMAINDERS).current  # it stepped on from the loaded host masters

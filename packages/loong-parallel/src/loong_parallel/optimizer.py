@@ -30,6 +30,13 @@ class OffloadUpdate(StrEnum):
     device = "device"  # the host state streamed through the GPU and updated there (loong_xpu.offload_device_update)
 
 
+class OffloadMaster(StrEnum):
+    """How the offloaded share's fp32 master weights are kept (optim.offload_master)."""
+
+    fp32 = "fp32"  # megatron's: whole in host memory, 4 bytes a parameter each way a step
+    remainder = "remainder"  # their low 16 bits in host memory beside the bf16 weights: 2 bytes each way
+
+
 class StateDtype(StrEnum):
     """The dtype of Adam's two moments (optim.state_dtype)."""
 
@@ -74,6 +81,13 @@ class OptimConfig:
     # parameter, bound by the host's memory bandwidth), gradients to the host and weights back on
     # side streams. The same peak GPU memory, the same losses up to rounding.
     offload_update: OffloadUpdate = OffloadUpdate.device
+    # How the device update keeps that share's fp32 master weights. remainder: as their low 16 bits
+    # beside the bf16 weights, the layout TE's FusedAdam keeps the GPU share's masters in (the weight
+    # rounded to nearest, ties away from zero; the pair is the master bit for bit), so 2 bytes a
+    # parameter travel each way instead of 4: 20 bytes a step by DMA instead of 24 (12 instead of 16
+    # with bf16 moments). megatron's fp32 host masters are written back before a checkpoint reads
+    # them (loong_xpu.offload_device_update). Needs offload_update=device and bf16 weights.
+    offload_master: OffloadMaster = OffloadMaster.fp32
 
     def updates_offloaded_share_on(self, where: OffloadUpdate) -> bool:
         """Whether a share is offloaded (``offload_fraction > 0``) and updated ``where``."""
@@ -94,6 +108,9 @@ class OptimConfig:
                              "(megatron's host offload runs on the precision-aware optimizer's path)")  # fmt: skip
         if self.host_threads is not None and self.host_threads < 1:
             raise ValueError(f"optim.host_threads={self.host_threads} must be >= 1 or null (automatic)")
+        if self.offload_master == OffloadMaster.remainder and not self.updates_offloaded_share_on(OffloadUpdate.device):
+            raise ValueError(f"optim.offload_master={self.offload_master} needs optim.offload_fraction > 0 (it is "
+                             f"{self.offload_fraction}) and optim.offload_update=device (it is {self.offload_update})")  # fmt: skip
         if self.state_dtype != StateDtype.fp32 and self.updates_offloaded_share_on(OffloadUpdate.host):
             raise ValueError(f"optim.offload_fraction={self.offload_fraction} with optim.state_dtype={self.state_dtype} "
                              "needs optim.offload_update=device (the host update is torch's fused CPU AdamW, fp32 moments)")  # fmt: skip
@@ -210,15 +227,20 @@ def build_optimizer(
     by TE's FusedAdam, the moments in ``ocfg.state_dtype``); warmup then ``ocfg.schedule`` decay
     to ``min_lr`` at ``total_steps`` (:func:`schedule_steps`)."""
     ocfg.validate()
+    if ocfg.offload_master == OffloadMaster.remainder and dtype != torch.bfloat16:
+        raise ValueError(f"optim.offload_master={ocfg.offload_master} needs bf16 weights (train.dtype=bf16); "
+                         f"the weights are {dtype}")  # fmt: skip
     device_type = next(p.device.type for c in chunks for p in c.parameters())
     for error in ocfg.precision_aware_errors(pcfg.distributed_optimizer, device_type):
         raise ValueError(error)
     _set_host_threads(ocfg)
     optimizer = get_megatron_optimizer(optimizer_config_for(ocfg, pcfg, dtype), chunks)
     if ocfg.updates_offloaded_share_on(OffloadUpdate.device):
-        marked = update_on_device(optimizer, _MOMENTS[ocfg.state_dtype])
-        logger.info("optimizer offload: %d host-offloaded optimizer(s) updated on the device, moments in %s "
-                    "(optim.offload_update=device)", marked, ocfg.state_dtype)  # fmt: skip
+        remainders = ocfg.offload_master == OffloadMaster.remainder
+        marked = update_on_device(optimizer, _MOMENTS[ocfg.state_dtype], remainders=remainders)
+        logger.info("optimizer offload: %d host-offloaded optimizer(s) updated on the device, moments in %s, "
+                    "masters %s (optim.offload_update=device)", marked, ocfg.state_dtype,
+                    "as low halves beside the bf16 weights" if remainders else "in fp32")  # fmt: skip
     scheduler = OptimizerParamScheduler(
         optimizer,
         **schedule_steps(ocfg.lr, ocfg.warmup_steps, total_steps),

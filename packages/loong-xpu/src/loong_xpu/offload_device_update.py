@@ -21,6 +21,17 @@ bytes a parameter by DMA instead of 24, and half the host memory for the moments
 bound by the host link (one H200: ~42 GB/s in, ~49 GB/s out, both at once), so it takes a third
 less time.
 
+The master weights may stay on the device as their 16 low bits beside the bf16 weight
+(``update_on_device(optimizer, remainders=True)``, Loong's ``optim.offload_master=remainder``), the
+layout Transformer Engine's FusedAdam keeps them in on the GPU (:mod:`loong_xpu.master_remainder`):
+the bf16 weight is then the master rounded to nearest with ties away from zero, as FusedAdam rounds
+it, and the pair is the master bit for bit. Only the int16 low half travels, 2 bytes each way
+instead of 4: 20 bytes a parameter by DMA with fp32 moments, 12 with bf16 ones, and 2 bytes a
+parameter more on the host. megatron's fp32 host master then falls behind; it is written back
+(:func:`write_back_masters`) before megatron reads it for a checkpoint or re-reads its state, and a
+master megatron writes (a loaded checkpoint, ``reload_model_params``) is read from there on the next
+step (three manifest wraps, below).
+
 The manifest wraps ``HybridDeviceOptimizer.step``; an optimizer marked by :func:`update_on_device`
 takes this path, any other megatron's. The state keeps torch AdamW's layout (``step``, ``exp_avg``,
 ``exp_avg_sq`` per host master), so checkpoints load into either path. ``step`` returns once the
@@ -31,15 +42,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from loong_xpu.master_remainder import join_master, split_master_
 from loong_xpu.offload_buckets import buckets
 
 TARGET = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer.step"
 MARK = "loong_update_on_device"  # the attribute update_on_device sets on a HybridDeviceOptimizer: the moments' dtype
+REMAINDERS = "loong_master_remainders"  # and, with remainders=True, this one: its Remainders
+_HDO = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer"
+REMAINDER_TARGETS = (  # where megatron reads or writes its host masters: the wraps that keep them right
+    f"{_HDO}._sync_hdo_state_to_sub_optimizers",
+    f"{_HDO}.update_fp32_param_by_new_param",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_main_param_and_optimizer_states",
+)
 CHUNK = 1 << 24  # elements staged at once (64 MiB of fp32 for each of master, exp_avg, exp_avg_sq)
 SLOTS = 3  # chunks in flight: one arriving, one being updated, one going back
 
@@ -55,6 +74,10 @@ class Piece:
     weight: torch.Tensor  # device (bf16 in megatron's precision-aware optimizer)
     step: float  # Adam's step count for this update (already incremented)
     hyper: tuple[float, float, float, float, float]  # lr, beta1, beta2, weight_decay, eps
+    # host, int16: the master's low 16 bits beside the bf16 weight (the remainder layout), where
+    # the update reads the master from (unless master_in) and writes it to; None: master in and out
+    remainder: torch.Tensor | None = None
+    master_in: bool = True  # read the master from `master` (its remainder is not current yet)
 
     def numel(self) -> int:
         return self.master.numel()
@@ -90,27 +113,35 @@ def split(piece: Piece, limit: int) -> Iterator[Piece]:
         raise ValueError(f"loong_xpu.offload_device_update: a non-contiguous offloaded tensor of {n} elements "
                          f"is larger than a staged chunk ({limit}); it cannot be updated on the device")  # fmt: skip
     flat = [t.reshape(-1) for t in (piece.master, piece.exp_avg, piece.exp_avg_sq, piece.grad, piece.weight)]
+    remainder = None if piece.remainder is None else piece.remainder.reshape(-1)
     for start in range(0, n, limit):
         views = [t[start : start + limit] for t in flat]
-        yield Piece(*views, step=piece.step, hyper=piece.hyper)
+        yield Piece(*views, step=piece.step, hyper=piece.hyper, master_in=piece.master_in,
+                    remainder=None if remainder is None else remainder[start : start + limit])  # fmt: skip
 
 
 @dataclass
 class Staged:
     """One piece's place in a staging slot: the fp32 tensors the update runs on (master, exp_avg,
-    exp_avg_sq) and what travels to and from the host for each (the same tensor, or for moments
-    kept narrower on the host a view of the slot's buffer in their dtype)."""
+    exp_avg_sq); the (host, slot) pairs that travel in and out (fp32 state as it is, moments kept
+    narrower on the host through a view of the slot's buffer in their dtype, the master's low half
+    through an int16 view); the (fp32, narrow) moment pairs widened before the update and rounded
+    back after it; and the int16 view of the low half (None: the master travels whole)."""
 
     compute: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    wire: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    inbound: list[tuple[torch.Tensor, torch.Tensor]]
+    outbound: list[tuple[torch.Tensor, torch.Tensor]]
+    narrow: list[tuple[torch.Tensor, torch.Tensor]]
+    remainder: torch.Tensor | None
 
 
 class StagedAdamW:
     """Updates :class:`Piece` s through ``SLOTS`` staging buffers of ``chunk`` elements on ``device``:
     host state in, torch's fused AdamW and the weight cast on the device, host state out. Moments
     kept in bf16 on the host travel as bf16 and are widened for the update and rounded back on the
-    device. On CUDA the copies run on ``streams`` (in, out) beside the current stream, which
-    updates; elsewhere (tests on the CPU) everything runs in order."""
+    device; a master kept as its low half (a piece with a remainder) is joined with its weight
+    before the update and split into both after it. On CUDA the copies run on ``streams`` (in, out)
+    beside the current stream, which updates; elsewhere (tests on the CPU) everything runs in order."""
 
     def __init__(self, device: torch.device, streams: tuple[Any, Any] | None = None, chunk: int | None = None) -> None:
         self.device, self.streams, self.chunk = device, streams, chunk or CHUNK  # CHUNK read now: tests lower it
@@ -123,7 +154,8 @@ class StagedAdamW:
         if len(narrow) > 1:
             raise ValueError(f"loong_xpu.offload_device_update: the offloaded moments are in several dtypes "
                              f"({', '.join(sorted(map(str, narrow)))}); expected one")  # fmt: skip
-        slots = [self._slot(next(iter(narrow), None)) for _ in range(min(SLOTS, len(runs)))]
+        remainders = any(p.remainder is not None for p in pieces)
+        slots = [self._slot(next(iter(narrow), None), remainders) for _ in range(min(SLOTS, len(runs)))]
         cuda = self.streams is not None
         current = torch.cuda.current_stream(self.device) if cuda else None
         if cuda:
@@ -136,53 +168,68 @@ class StagedAdamW:
                 if freed[slot] is not None:
                     self.streams[0].wait_event(freed[slot])
                 with torch.cuda.stream(self.streams[0]):
-                    self._copy(run, staged, to_device=True)
+                    self._copy(staged, to_device=True)
                 current.wait_event(self.streams[0].record_event())
             else:
-                self._copy(run, staged, to_device=True)
+                self._copy(staged, to_device=True)
             self._adamw(run, staged)
             if cuda:
                 self.streams[1].wait_event(current.record_event())
                 with torch.cuda.stream(self.streams[1]):
-                    self._copy(run, staged, to_device=False)
+                    self._copy(staged, to_device=False)
                     freed[slot] = self.streams[1].record_event()
             else:
-                self._copy(run, staged, to_device=False)
+                self._copy(staged, to_device=False)
         if cuda:
             self.streams[1].synchronize()  # the host state is whole before step() returns
 
-    def _slot(self, narrow: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _slot(self, narrow: torch.dtype | None, remainders: bool) -> tuple[torch.Tensor, ...]:
         compute = torch.empty((3, self.chunk), dtype=torch.float32, device=self.device)
         wire = None if narrow is None else torch.empty((2, self.chunk), dtype=narrow, device=self.device)
-        return compute, wire
+        low = torch.empty(self.chunk, dtype=torch.int16, device=self.device) if remainders else None
+        return compute, wire, low
 
     @staticmethod
-    def _views(run: list[Piece], compute: torch.Tensor, wire: torch.Tensor | None) -> list[Staged]:
+    def _views(run: list[Piece], compute: torch.Tensor, wire: torch.Tensor | None,
+               low: torch.Tensor | None) -> list[Staged]:  # fmt: skip
         staged, start = [], 0
         for piece in run:
             n, shape = piece.master.numel(), piece.master.shape
             fp32 = tuple(compute[k, start : start + n].view(shape) for k in range(3))
-            travel = [fp32[0]]
+            moments, narrow = [], []
             for k, moment in enumerate((piece.exp_avg, piece.exp_avg_sq)):
-                travel.append(fp32[1 + k] if moment.dtype == torch.float32 else wire[k, start : start + n].view(shape))
-            staged.append(Staged(fp32, tuple(travel)))
+                if moment.dtype == torch.float32:
+                    moments.append((moment, fp32[1 + k]))
+                else:
+                    travel = wire[k, start : start + n].view(shape)
+                    moments.append((moment, travel))
+                    narrow.append((fp32[1 + k], travel))
+            if piece.remainder is None:
+                remainder = None
+                inbound = outbound = [(piece.master, fp32[0])]
+            else:
+                remainder = low[start : start + n].view(shape)
+                inbound = [(piece.master, fp32[0]) if piece.master_in else (piece.remainder, remainder)]
+                outbound = [(piece.remainder, remainder)]  # megatron's host master falls behind
+            staged.append(Staged(fp32, inbound + moments, outbound + moments, narrow, remainder))
             start += n
         return staged
 
     @staticmethod
-    def _copy(run: list[Piece], staged: list[Staged], *, to_device: bool) -> None:
-        for piece, views in zip(run, staged, strict=True):
-            for host, dev in zip((piece.master, piece.exp_avg, piece.exp_avg_sq), views.wire, strict=True):
+    def _copy(staged: list[Staged], *, to_device: bool) -> None:
+        for views in staged:
+            for host, dev in views.inbound if to_device else views.outbound:
                 if to_device:
                     dev.copy_(host, non_blocking=True)
                 else:
                     host.copy_(dev, non_blocking=True)
 
     def _adamw(self, run: list[Piece], staged: list[Staged]) -> None:
-        for views in staged:  # narrow moments widened for the update
-            for fp32, travel in zip(views.compute, views.wire, strict=True):
-                if travel is not fp32:
-                    fp32.copy_(travel)
+        for piece, views in zip(run, staged, strict=True):
+            for fp32, travel in views.narrow:  # narrow moments widened for the update
+                fp32.copy_(travel)
+            if views.remainder is not None and not piece.master_in:
+                join_master(piece.weight, views.remainder, views.compute[0])
         by_hyper: dict[tuple, list[int]] = {}
         for i, piece in enumerate(run):
             by_hyper.setdefault((piece.hyper, piece.step), []).append(i)
@@ -193,16 +240,37 @@ class StagedAdamW:
                                 [staged[i].compute[2] for i in idx], [], steps, lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)  # fmt: skip
         for piece, views in zip(run, staged, strict=True):
-            piece.weight.copy_(views.compute[0])  # the bf16 weight, rounded from the updated master
-            for fp32, travel in zip(views.compute, views.wire, strict=True):
-                if travel is not fp32:
-                    travel.copy_(fp32)  # narrow moments rounded back (to nearest, as TE's FusedAdam)
+            if views.remainder is None:
+                piece.weight.copy_(views.compute[0])  # the bf16 weight, rounded from the updated master
+            else:  # the weight rounded as TE's FusedAdam rounds it, and the low half beside it
+                split_master_(views.compute[0], piece.weight, views.remainder)
+            for fp32, travel in views.narrow:
+                travel.copy_(fp32)  # narrow moments rounded back (to nearest, as TE's FusedAdam)
 
 
-def offloaded_pieces(hdo: Any, moments: torch.dtype = torch.float32) -> list[Piece]:
+@dataclass
+class Remainders:
+    """The offloaded masters' low halves, for an optimizer marked with ``remainders=True``: one
+    pinned int16 host tensor per megatron host master (``tensors``), the masters whose low half,
+    with its weight, is the master (``current``), and those whose megatron host master is behind
+    it (``ahead``: updated on the device since megatron last read or wrote it)."""
+
+    tensors: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
+    current: set[torch.Tensor] = field(default_factory=set)
+    ahead: set[torch.Tensor] = field(default_factory=set)
+
+    def low_half(self, master: torch.Tensor) -> torch.Tensor:
+        if master not in self.tensors:
+            self.tensors[master] = torch.empty(master.shape, dtype=torch.int16, pin_memory=torch.cuda.is_available())
+        return self.tensors[master]
+
+
+def offloaded_pieces(hdo: Any, moments: torch.dtype = torch.float32, remainders: Remainders | None = None) -> list[Piece]:
     """The offloaded share of ``hdo`` (a ``HybridDeviceOptimizer``) as pieces to update, each host
     optimizer's step counts advanced, the moments kept in ``moments``, in megatron's order; a tensor
-    without a gradient is skipped, as torch's AdamW skips it."""
+    without a gradient is skipped, as torch's AdamW skips it. With ``remainders`` each piece keeps
+    its master as the low half beside its (bf16) weight, read from megatron's host master while
+    that low half is not current."""
     pieces = []
     for optimizer in hdo.cpu_optimizers:
         for group in optimizer.param_groups:
@@ -218,16 +286,23 @@ def offloaded_pieces(hdo: Any, moments: torch.dtype = torch.float32) -> list[Pie
                     continue
                 state = adam_state(optimizer, master, moments)
                 state["step"] += 1
-                pieces.append(Piece(master, state["exp_avg"], state["exp_avg_sq"], grad, weight.data,
-                                    step=float(state["step"]), hyper=hyper))  # fmt: skip
+                piece = Piece(master, state["exp_avg"], state["exp_avg_sq"], grad, weight.data,
+                              step=float(state["step"]), hyper=hyper)  # fmt: skip
+                if remainders is not None:
+                    if weight.dtype != torch.bfloat16:
+                        raise ValueError(f"loong_xpu.offload_device_update: an offloaded weight is {weight.dtype}; "
+                                         "keeping the master as its low half beside the weight needs bf16 weights")  # fmt: skip
+                    piece.remainder = remainders.low_half(master)
+                    piece.master_in = master not in remainders.current
+                pieces.append(piece)
     return pieces
 
 
 def device_step(hdo: Any, moments: torch.dtype = torch.float32) -> None:
     """``HybridDeviceOptimizer.step`` with the offloaded share updated on the device: megatron's
     parameter-group sync and device share as in its own step, then :class:`StagedAdamW` over the
-    host share (no gradients go to the host; its moments kept in ``moments``), then megatron's
-    state sync."""
+    host share (no gradients go to the host; its moments kept in ``moments``, its masters as low
+    halves where ``hdo`` is marked so), then megatron's state sync."""
     hdo._sync_hdo_param_groups_to_sub_optimizers()
     cpu_optimizers, hdo.cpu_optimizers = hdo.cpu_optimizers, []
     try:  # megatron's gradient hand-over for the device share only
@@ -238,11 +313,95 @@ def device_step(hdo: Any, moments: torch.dtype = torch.float32) -> None:
         hdo.cpu_optimizers = cpu_optimizers
     if hdo.gpu_optimizer:
         hdo.gpu_optimizer.step()
-    pieces = offloaded_pieces(hdo, moments)
+    remainders = getattr(hdo, REMAINDERS, None)
+    pieces = offloaded_pieces(hdo, moments, remainders)
     if pieces:
         device = pieces[0].weight.device
         StagedAdamW(device, streams=(hdo._h2d_stream, hdo._d2h_stream)).update(pieces)
+    if remainders is not None:
+        updated = {p.master for p in pieces}
+        remainders.current |= updated
+        remainders.ahead |= updated
     hdo._sync_sub_optimizers_state_to_hdo()
+
+
+def write_back_masters(hdo: Any, chunk: int | None = None) -> int:
+    """Writes megatron's fp32 host masters of ``hdo`` that are behind their low halves (an optimizer
+    marked with ``remainders=True``) from weight and low half, ``chunk`` elements at a time on the
+    weights' device; returns how many. Then megatron's host state is whole (a checkpoint reads it)."""
+    remainders = getattr(hdo, REMAINDERS, None)
+    if remainders is None or not remainders.ahead:
+        return 0
+    chunk = chunk or CHUNK
+    for master in remainders.ahead:
+        weight = hdo.cpu_copys_map_gpu_param[master].data
+        flat = [t.reshape(-1) for t in (master, weight, remainders.tensors[master])]  # a strided weight: copied
+        for start in range(0, master.numel(), chunk):
+            host, dev_weight, host_low = (t[start : start + chunk] for t in flat)
+            joined = torch.empty(host.shape, dtype=torch.float32, device=weight.device)
+            join_master(dev_weight, host_low.to(weight.device), joined)
+            host.copy_(joined)
+    written = len(remainders.ahead)
+    remainders.ahead.clear()
+    return written
+
+
+def _host_masters_rewritten(hdo: Any) -> None:
+    """megatron wrote ``hdo``'s host masters (a loaded state, weights reloaded): the low halves are
+    stale, so the next step reads the masters from the host."""
+    remainders = getattr(hdo, REMAINDERS, None)
+    if remainders is not None:
+        remainders.current.clear()
+        remainders.ahead.clear()
+
+
+def make_sync_state(accel: object = None):
+    """``HybridDeviceOptimizer._sync_hdo_state_to_sub_optimizers`` (megatron copies the state's
+    ``master_param`` into its host masters after a load): the masters written back first, read
+    from the host on the next step."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    original = HybridDeviceOptimizer._sync_hdo_state_to_sub_optimizers
+
+    @functools.wraps(original)
+    def sync(self):
+        write_back_masters(self)
+        result = original(self)
+        _host_masters_rewritten(self)
+        return result
+
+    return sync
+
+
+def make_reload_masters(accel: object = None):
+    """``HybridDeviceOptimizer.update_fp32_param_by_new_param`` (megatron's ``reload_model_params``
+    copies the weights into its host masters): the masters read from the host on the next step."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    original = HybridDeviceOptimizer.update_fp32_param_by_new_param
+
+    @functools.wraps(original)
+    def reload(self):
+        result = original(self)
+        _host_masters_rewritten(self)
+        return result
+
+    return reload
+
+
+def make_read_param_state(accel: object = None):
+    """``DistributedOptimizer._get_main_param_and_optimizer_states`` (every checkpoint format reads
+    a parameter's master and moments through it): the host masters written back first."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._get_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def read(self, model_param):
+        write_back_masters(self.optimizer)
+        return original(self, model_param)
+
+    return read
 
 
 def make_step(accel: object = None):
@@ -265,18 +424,20 @@ def make_step(accel: object = None):
     return step
 
 
-def update_on_device(optimizer: Any, moments: torch.dtype = torch.float32) -> int:
+def update_on_device(optimizer: Any, moments: torch.dtype = torch.float32, remainders: bool = False) -> int:
     """Marks every ``HybridDeviceOptimizer`` inside megatron's ``optimizer`` (a chained or
     distributed optimizer, or one itself) for the device update, its offloaded Adam moments kept
-    in ``moments`` (fp32 or bf16) on the host; returns how many. Raises where the manifest's patch
-    of ``HybridDeviceOptimizer.step`` is not in place, or for another ``moments``."""
+    in ``moments`` (fp32 or bf16) on the host, and with ``remainders`` its fp32 masters as their
+    low halves beside the bf16 weights; returns how many. Raises where the manifest's patches are
+    not in place, or for another ``moments``."""
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
     from loong_xpu.patches import is_applied
 
-    if not is_applied(TARGET):
-        raise RuntimeError(f"loong_xpu.offload_device_update needs the manifest's patch of {TARGET} "
-                           "(build and step the optimizer inside loong_xpu.redirect_cuda)")  # fmt: skip
+    for target in (TARGET, *(REMAINDER_TARGETS if remainders else ())):
+        if not is_applied(target):
+            raise RuntimeError(f"loong_xpu.offload_device_update needs the manifest's patch of {target} "
+                               "(build and step the optimizer inside loong_xpu.redirect_cuda)")  # fmt: skip
     if moments not in (torch.float32, torch.bfloat16):
         raise ValueError(f"loong_xpu.offload_device_update: moments={moments}; expected torch.float32 or torch.bfloat16")
     found, stack = 0, [optimizer]
@@ -284,6 +445,9 @@ def update_on_device(optimizer: Any, moments: torch.dtype = torch.float32) -> in
         opt = stack.pop()
         if isinstance(opt, HybridDeviceOptimizer):
             setattr(opt, MARK, moments)
+            if remainders and getattr(opt, REMAINDERS, None) is None:
+                setattr(opt, REMAINDERS, Remainders())
+                opt.register_state_dict_pre_hook(write_back_masters)  # its own state_dict holds the masters too
             found += 1
             continue
         chained = getattr(opt, "chained_optimizers", None)

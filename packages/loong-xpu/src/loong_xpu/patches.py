@@ -437,6 +437,34 @@ MANIFEST: tuple[Patch, ...] = (
         on_cuda=True,
         wraps=True,
     ),
+    Patch(
+        "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer._sync_hdo_state_to_sub_optimizers",
+        "with optim.offload_master=remainder the device update keeps the offloaded masters as their low 16 bits "
+        "beside the bf16 weights, so megatron's fp32 host masters fall behind. megatron copies its state's masters "
+        "into them here after a load: loong_xpu.offload_device_update writes them back first and reads the masters "
+        "from the host on the next step",
+        _made_by("offload_device_update", "make_sync_state"),
+        on_cuda=True,
+        wraps=True,
+    ),
+    Patch(
+        "megatron.core.optimizer.cpu_offloading.hybrid_optimizer:HybridDeviceOptimizer.update_fp32_param_by_new_param",
+        "megatron's reload_model_params copies the weights into the host masters here (train.init_from): with "
+        "optim.offload_master=remainder the masters' low halves are then stale, so loong_xpu.offload_device_update "
+        "reads the masters from the host on the next step",
+        _made_by("offload_device_update", "make_reload_masters"),
+        on_cuda=True,
+        wraps=True,
+    ),
+    Patch(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_main_param_and_optimizer_states",
+        "every checkpoint format of megatron's distributed optimizer reads a parameter's master and moments here: "
+        "with optim.offload_master=remainder loong_xpu.offload_device_update first writes back the host masters "
+        "that are behind their low halves, so the checkpoint holds the exact fp32 masters",
+        _made_by("offload_device_update", "make_read_param_state"),
+        on_cuda=True,
+        wraps=True,
+    ),
 )
 """Attribute patches. The device-argument rewrite (:class:`_DeviceRedirectMode`) is the one
 patch that is not an attribute: it is a TorchFunctionMode, entered by :func:`redirect_cuda`

@@ -102,12 +102,13 @@ def hybrid_device_optimizer(params: list[torch.nn.Parameter], offload_fraction: 
 
 
 def train_hybrid_device_optimizer(offload_fraction: float, *, patched: bool, on_device: bool = False, steps: int = 3,
-                                  state_dict: dict | None = None,
-                                  moments: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], Any]:  # fmt: skip
+                                  state_dict: dict | None = None, moments: torch.dtype = torch.float32,
+                                  remainders: bool = False) -> tuple[list[torch.Tensor], Any]:  # fmt: skip
     """Four bf16 CUDA weights (one of 1M elements) updated ``steps`` times by
     :func:`hybrid_device_optimizer`, the same bf16 gradients every run; ``on_device``: marked for
     loong_xpu.offload_device_update with its moments in ``moments`` by its ``update_on_device``
-    (then call this inside ``redirect_cuda``, where its patch is in place); ``state_dict``: loaded first. Returns the final weights and the optimizer."""
+    (then call this inside ``redirect_cuda``, where its patch is in place), its masters kept as low
+    halves with ``remainders``; ``state_dict``: loaded first. Returns the final weights and the optimizer."""
     from loong_xpu.offload_device_update import update_on_device
 
     g = torch.Generator().manual_seed(0)
@@ -115,7 +116,7 @@ def train_hybrid_device_optimizer(offload_fraction: float, *, patched: bool, on_
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to("cuda", torch.bfloat16)) for s in shapes]
     opt = hybrid_device_optimizer(params, offload_fraction, patched=patched, lr=1e-2)
     if on_device:
-        update_on_device(opt, moments)
+        update_on_device(opt, moments, remainders=remainders)
     if state_dict is not None:
         opt.load_state_dict(state_dict)
     for _ in range(steps):
