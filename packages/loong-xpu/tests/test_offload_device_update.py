@@ -25,6 +25,11 @@ from loong_xpu.testing import train_hybrid_device_optimizer
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
+def _host_masters(hdo) -> list[torch.Tensor]:
+    """megatron's host masters of ``hdo`` (a HybridDeviceOptimizer), in its host optimizers' order."""
+    return [m for o in hdo.cpu_optimizers for grp in o.param_groups for m in grp["params"]]
+
+
 def _pieces(masters, states, grads, weights, hyper=HYPER):
     beta1, beta2 = hyper["betas"]
     key = (hyper["lr"], beta1, beta2, hyper["weight_decay"], hyper["eps"])
@@ -152,7 +157,7 @@ def test_the_device_update_gives_the_host_updates_weights_and_state(offload_frac
         for a, b in zip(host, ours, strict=True):
             assert (a.float() - b.float()).abs().max() <= 2 ** -8 * a.float().abs().max()
             assert (a == b).float().mean() > 0.999
-        masters = [m for o in opt.cpu_optimizers for grp in o.param_groups for m in grp["params"]]
+        masters = _host_masters(opt)
         for master in masters:
             state = opt.state[opt.inner_param_to_orig_param[master]]
             assert float(state["step"]) == 3.0 and state["exp_avg"].is_pinned() and state["exp_avg_sq"].is_pinned()
@@ -208,14 +213,12 @@ class _HostShare:
         self.gpu_optimizer = None
         self._d2h_stream, self._h2d_stream = torch.cuda.Stream(), torch.cuda.Stream()
 
-    def _sync_hdo_param_groups_to_sub_optimizers(self):
-        pass
+    def _nothing_to_sync(self):
+        """megatron's syncs between its own state and its sub-optimizers': with one host optimizer
+        and no device share, that state is the host optimizer's own, so there is nothing to copy."""
 
-    def _set_sub_optimizer_grads(self):
-        pass
-
-    def _sync_sub_optimizers_state_to_hdo(self):
-        pass
+    _sync_hdo_param_groups_to_sub_optimizers = _set_sub_optimizer_grads = _nothing_to_sync
+    _sync_sub_optimizers_state_to_hdo = _nothing_to_sync
 
 
 def test_masters_kept_as_low_halves_update_exactly_as_torchs_fused_adamw(monkeypatch):
@@ -313,9 +316,7 @@ def test_masters_kept_as_low_halves_on_the_gpu_give_the_fp32_masters_and_resume(
             assert ((a.float() - b.float()).abs()[differs] <= a.float().abs()[differs] * 2**-7).all()
         # state_dict writes megatron's host masters back first: they are the fp32 path's bit for bit
         state_dict = opt.state_dict()
-        masters = [m for o in opt.cpu_optimizers for grp in o.param_groups for m in grp["params"]]
-        expected = [m for o in fp32_opt.cpu_optimizers for grp in o.param_groups for m in grp["params"]]
-        assert all(torch.equal(a, b) for a, b in zip(masters, expected, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(_host_masters(opt), _host_masters(fp32_opt), strict=True))
         # a state saved this way loads into either layout and continues alike
         continued, _ = train_hybrid_device_optimizer(1.0, patched=True, on_device=True, steps=1,
                                                      state_dict=copy.deepcopy(fp32_opt.state_dict()))
